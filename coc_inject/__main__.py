@@ -1,0 +1,5 @@
+import sys
+
+from coc_inject.cli import main
+
+sys.exit(main())

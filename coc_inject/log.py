@@ -1,0 +1,53 @@
+"""One stderr logger for the whole package, plus "say it once" helpers.
+
+Log lines start with ``[coc-inject]`` so users can grep a job's stderr for them.
+The level comes from ``COC_LOG_LEVEL`` through the config (see :func:`configure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+LEVELS = ("debug", "info", "warning", "error")
+
+logger = logging.getLogger("coc_inject")
+_once_keys: set = set()
+_once_lock = threading.Lock()
+
+
+def _rank_tag() -> str:
+    rank = os.environ.get("RANK")
+    return f" rank {rank}" if rank is not None else ""
+
+
+def configure(level: str = "info") -> None:
+    """Attach the stderr handler once and set the level ("debug" | "info" | "warning" | "error")."""
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[coc-inject{_rank_tag()}] %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level.upper())
+
+
+def is_debug() -> bool:
+    return logger.isEnabledFor(logging.DEBUG)
+
+
+def once(key, level: int, message: str) -> bool:
+    """Log ``message`` the first time ``key`` is seen in this process; return whether it logged."""
+    with _once_lock:
+        if key in _once_keys:
+            return False
+        _once_keys.add(key)
+    logger.log(level, message)
+    return True
+
+
+def reset_once() -> None:
+    """Forget which messages were said (used by uninstall, so a re-install reports afresh)."""
+    with _once_lock:
+        _once_keys.clear()
