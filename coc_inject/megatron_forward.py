@@ -1,0 +1,184 @@
+"""Wrapped forwards: turn one Megatron layer call into a CoC case, or fall back with a reason.
+
+This is the only module that knows Megatron's layer attributes. A call is routed to a CoC
+autograd Function only when every feature it uses is honoured; anything else goes to the
+layer's original forward and the reason is logged once per (layer class, reason).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from coc_inject import log
+from coc_inject.config import CocConfig
+from coc_inject.pipeline import agreement
+from coc_inject.pipeline.functions import (
+    AllGatherMatmul,
+    MatmulAllReduce,
+    MatmulReduceScatter,
+    MatmulWithChunkedGradAllReduce,
+)
+from coc_inject.pipeline.schedules import Schedule
+
+
+@dataclass(frozen=True)
+class Case:
+    """A layer/mode combination the engine handles, for ``status`` and the README."""
+
+    layer: str
+    mode: str
+    forward: str
+    backward: str
+    schedule: Schedule
+
+
+CASES = (
+    Case("RowParallelLinear", "no SP", "mm + all-reduce, chunked", "local (no comm)", Schedule.COMPUTE_FIRST),
+    Case("RowParallelLinear", "SP", "mm + reduce-scatter, chunked", "all-gather + dgrad mm, chunked (comm-first)", Schedule.COMPUTE_FIRST),
+    Case("ColumnParallelLinear", "SP", "all-gather + mm, chunked", "dgrad mm + reduce-scatter, chunked; wgrad from re-gathered or kept input", Schedule.COMM_FIRST),
+    Case("ColumnParallelLinear", "no SP", "mm (nothing to overlap)", "dgrad mm + all-reduce, chunked (COC_ENABLE_IN_COLUMN_BACKWARD=1)", Schedule.COMPUTE_FIRST),
+)
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """Why a call goes to Megatron's own forward. ``expected`` ones are logged at debug only."""
+
+    reason: str
+    expected: bool = False
+
+
+def _common_fallback(layer, input_: torch.Tensor) -> Fallback | None:
+    tp_size = layer.tp_group.size() if layer.tp_group is not None else 1
+    if tp_size <= 1:
+        return Fallback("tensor-parallel size 1: no collective to overlap", expected=True)
+    if getattr(layer, "explicit_expert_comm", False):
+        return Fallback("expert layer: its communication is done by the MoE token dispatcher", expected=True)
+    offload = getattr(layer.config, "_cpu_offloading_context", None)
+    if offload is not None and getattr(offload, "inside_context", False):
+        return Fallback("activation CPU offloading is active for this call")
+    if not input_.is_floating_point():
+        return Fallback(f"input dtype {input_.dtype} is not floating point")
+    return None
+
+
+class CocEngine:
+    """Routes layer calls for one resolved configuration."""
+
+    def __init__(self, config: CocConfig):
+        self.config = config
+        self.calls = 0  # CoC calls made (status / tests); fallbacks are not counted
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _fall_back(self, layer, fallback: Fallback, original: Callable, *args, **kwargs):
+        level = logging.DEBUG if fallback.expected else logging.INFO
+        log.once((type(layer).__name__, fallback.reason), level,
+                 f"{type(layer).__name__}: Megatron's own forward is used: {fallback.reason}")
+        return original(layer, *args, **kwargs)
+
+    def _chunks(self, layer, m: int, k: int, n: int) -> int | Fallback:
+        chunks = self.config.chunks_for(m, k, n)
+        if chunks == 1:
+            return Fallback(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
+        if chunks == -1:
+            # Fused kernels arrive with their backends; until then the chunked pipeline runs.
+            log.once(("fused", m, k, n), logging.INFO,
+                     f"fused kernel requested for shape [{m}, {k}, {n}] but no fused backend is "
+                     f"available; using the chunked pipeline with {self.config.parallel_num} chunks")
+            chunks = max(self.config.parallel_num, 2)
+        return chunks
+
+    def _agree(self, group, device):
+        agreement.ensure_same_config(group, self.config.fingerprint(), device, str(self.config.describe()))
+
+    # -- RowParallelLinear -----------------------------------------------------------------
+    def row_forward(self, original, layer, input_, *args, **kwargs):
+        if args or kwargs:
+            return self._fall_back(layer, Fallback("unknown forward arguments (newer Megatron?)"),
+                                   original, input_, *args, **kwargs)
+        fallback = _common_fallback(layer, input_)
+        if fallback is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
+            fallback = Fallback(f"sequence length {input_.shape[0]} is not divisible by TP")
+        m = input_.numel() // input_.shape[-1] if input_.dim() else 0
+        chunks = self._chunks(layer, m, layer.input_size_per_partition, layer.output_size)
+        fallback = fallback or (chunks if isinstance(chunks, Fallback) else None)
+        if fallback is not None:
+            return self._fall_back(layer, fallback, original, input_)
+
+        from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
+
+        group = layer.tp_group
+        input_parallel = (
+            input_ if layer.input_is_parallel
+            else scatter_to_tensor_model_parallel_region(input_, group=group)
+        )
+        self._agree(group, input_parallel.device)
+        function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
+        output = function.apply(
+            input_parallel, layer.weight, chunks, group, layer.gradient_accumulation_fusion
+        )
+        self.calls += 1
+        if layer.skip_bias_add:
+            return output, layer.bias
+        return (output + layer.bias if layer.bias is not None else output), None
+
+    # -- ColumnParallelLinear --------------------------------------------------------------
+    def column_forward(self, original, layer, input_, weight=None, runtime_gather_output=None, *args, **kwargs):
+        def fall_back(fallback):
+            return self._fall_back(layer, fallback, original, input_, weight, runtime_gather_output,
+                                   *args, **kwargs)
+
+        if args or kwargs:
+            return fall_back(Fallback("unknown forward arguments (newer Megatron?)"))
+        fallback = _common_fallback(layer, input_)
+        if fallback is not None:
+            return fall_back(fallback)
+        if layer.config.defer_embedding_wgrad_compute:
+            return fall_back(Fallback("defer_embedding_wgrad_compute keeps its own wgrad buffers"))
+        if getattr(layer, "disable_grad_reduce", False):
+            return fall_back(Fallback("disable_grad_reduce: the caller reduces gradients itself", expected=True))
+        sequence_parallel = layer.sequence_parallel
+        if not sequence_parallel and not self.config.enable_coc_in_column_backward:
+            return fall_back(Fallback(
+                "no sequence parallelism: forward has no communication and Megatron already "
+                "overlaps the backward all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 "
+                "chunks it)", expected=True))
+        tp_size = layer.tp_group.size()
+        if weight is None:
+            if layer.weight is None:
+                return fall_back(Fallback("no weight supplied (skip_weight_param_allocation)"))
+            weight = layer.weight
+        elif tuple(weight.shape) != (layer.output_size_per_partition, layer.input_size):
+            return fall_back(Fallback("supplied weight has an unexpected shape"))
+        rows = input_.numel() // input_.shape[-1]
+        m = rows * tp_size if sequence_parallel else rows
+        chunks = self._chunks(layer, m, layer.input_size, layer.output_size_per_partition)
+        if isinstance(chunks, Fallback):
+            return fall_back(chunks)
+
+        group = layer.tp_group
+        self._agree(group, input_.device)
+        if sequence_parallel:
+            output_parallel = AllGatherMatmul.apply(
+                input_, weight, chunks, group, layer.gradient_accumulation_fusion,
+                self.config.recompute_all_gather,
+            )
+        else:
+            output_parallel = MatmulWithChunkedGradAllReduce.apply(
+                input_, weight, chunks, group, layer.gradient_accumulation_fusion
+            )
+        self.calls += 1
+        if not layer.skip_bias_add and layer.bias is not None:
+            output_parallel = output_parallel + layer.bias
+        gather_output = layer.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather_output:
+            from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+            output = gather_from_tensor_model_parallel_region(output_parallel, group=group)
+        else:
+            output = output_parallel
+        return output, (layer.bias if layer.skip_bias_add else None)

@@ -1,0 +1,158 @@
+"""install() / uninstall() of the CoC forwards on Megatron's tensor-parallel layers.
+
+The replacement forwards are plain functions (closures), not wrapt proxies: torch.compile
+(dynamo) traces a plain function, but silently traces the *original* code behind a wrapt
+FunctionWrapper, which would turn CoC off under compile without a word.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+from coc_inject import __version__, log
+
+LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
+PATCHED = ("ColumnParallelLinear", "RowParallelLinear")
+# Oldest and newest megatron-core release this version is tested against (pyproject, CI).
+SUPPORTED_MEGATRON = ((0, 13), (0, 16))
+
+_originals: dict = {}  # class -> original forward
+_engine = None
+
+
+def megatron_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:
+        return None
+
+
+def megatron_supported(version: str | None) -> bool:
+    if not version:
+        return False
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return SUPPORTED_MEGATRON[0] <= major_minor <= SUPPORTED_MEGATRON[1]
+
+
+def _wrap(original, route):
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        return route(original, self, *args, **kwargs)
+
+    forward.__coc_inject__ = True
+    return forward
+
+
+def is_installed() -> bool:
+    return bool(_originals)
+
+
+def engine():
+    """The active :class:`~coc_inject.megatron_forward.CocEngine`, or None."""
+    return _engine
+
+
+def install(config=None, layers_module=None) -> bool:
+    """Patch the layers for ``config`` (default: from the environment). Idempotent.
+
+    Returns True when the layers are patched afterwards. A second call with another config
+    re-installs (the forwards close over one engine).
+    """
+    global _engine
+    from coc_inject.config import load_config
+    from coc_inject.megatron_forward import CocEngine
+
+    config = config if config is not None else load_config()
+    if not config.enabled:
+        uninstall()
+        return False
+    if layers_module is None:
+        import importlib
+
+        layers_module = importlib.import_module(LAYERS_MODULE)
+    uninstall()
+    _engine = CocEngine(config)
+    routes = {"ColumnParallelLinear": _engine.column_forward, "RowParallelLinear": _engine.row_forward}
+    for name in PATCHED:
+        cls = getattr(layers_module, name)
+        original = cls.__dict__["forward"]
+        _originals[cls] = original
+        cls.forward = _wrap(original, routes[name])
+    return True
+
+
+def uninstall() -> None:
+    """Restore Megatron's original forwards. Safe to call when nothing is installed."""
+    global _engine
+    from coc_inject.pipeline import agreement
+
+    for cls, original in _originals.items():
+        cls.forward = original
+    _originals.clear()
+    _engine = None
+    agreement.forget()
+    log.reset_once()
+
+
+def _rank_and_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def banner(config, version: str | None) -> str:
+    rank, world = _rank_and_world()
+    chunks = "fused" if config.fused else f"N={config.parallel_num}"
+    return (
+        f"CoC active: pid {os.getpid()}, rank {rank}/{world}, mode {config.mode}, {chunks}, "
+        f"megatron-core {version}, coc-inject {__version__}, patched "
+        + ", ".join(f"{name}.forward" for name in PATCHED)
+    )
+
+
+def on_layers_imported(module) -> None:
+    """Post-import hook on ``megatron.core.tensor_parallel.layers`` (registered by bootstrap).
+
+    A configuration error is raised from here on purpose: it makes the Megatron import fail,
+    so a training process stops before its first step with the message and a non-zero exit.
+    """
+    from coc_inject.config import ConfigError, extract_mindspeed_flags, load_config
+
+    try:
+        flags, remaining = _mindspeed_flags(extract_mindspeed_flags)
+        config = load_config(argv_flags=flags)
+    except ConfigError as error:
+        sys.stderr.write(f"[coc-inject] configuration error: {error}\n")
+        raise
+    sys.argv[:] = remaining
+    log.configure(config.log_level)
+    version = megatron_version()
+    if not config.enabled:
+        log.logger.debug("CoC is off (%s); Megatron layers left unpatched", config.describe())
+        return
+    if not megatron_supported(version):
+        low, high = (".".join(map(str, v)) for v in SUPPORTED_MEGATRON)
+        log.logger.warning(
+            "CoC NOT applied: megatron-core %s is outside the supported range %s .. %s.x",
+            version, low, high,
+        )
+        return
+    install(config, module)
+    rank, _ = _rank_and_world()
+    # Global rank 0 says it at info level; with COC_LOG_LEVEL=debug every rank does.
+    log.logger.log(logging.INFO if rank == 0 else logging.DEBUG, banner(config, version))
+
+
+def _mindspeed_flags(extract):
+    """MindSpeed drop-in: honour and strip --use-ascend-coc & co. unless MindSpeed owns them."""
+    import importlib.util
+
+    if importlib.util.find_spec("mindspeed") is not None:
+        return None, list(sys.argv)
+    return extract(list(sys.argv))

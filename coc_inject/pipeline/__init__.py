@@ -1,0 +1,1 @@
+"""The CoC engine: chunk layout (pure), schedules, collectives, one autograd Function per case."""

@@ -1,0 +1,250 @@
+"""One autograd Function per CoC case, named for what it computes.
+
+Notation (BRIEF §1): the matmul is ``y = x @ Wᵀ`` with ``x`` flattened to ``[m, k]`` and the
+local weight shard ``W`` of shape ``[n, k]``. ``bounds`` are chunk row ranges from
+:mod:`coc_inject.pipeline.layout`; under sequence parallelism they index the per-rank block
+of the ``[TP, B, ...]`` view.
+
+Every Function allocates on its input's device and writes every output row exactly once.
+Weight gradients honour Megatron's contract: plain ``.grad`` by default; with
+``gradient_accumulation_fusion`` they are accumulated into ``weight.main_grad`` with plain
+torch ops and ``grad_added_to_main_grad`` is set when the parameter carries that attribute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coc_inject.pipeline import collectives
+from coc_inject.pipeline.layout import chunk_bounds
+from coc_inject.pipeline.schedules import run_comm_first, run_compute_first
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``[..., h]`` -> ``[m, h]`` (a view when possible)."""
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
+def _empty_like_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """Fresh contiguous buffer (``empty_like`` would copy a non-contiguous input's strides)."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
+def _rank_blocks(tensor2d: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """``[m, h]`` -> ``[TP, m/TP, h]``: rank r's sequence-parallel block is ``[r]``."""
+    return tensor2d.view(tp_size, -1, tensor2d.shape[-1])
+
+
+class WeightGrad:
+    """What a Function needs to produce the weight gradient the way Megatron would."""
+
+    def __init__(self, weight: torch.Tensor, gradient_accumulation_fusion: bool):
+        self.needed = weight.requires_grad
+        self.fusion = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
+        # Saved at forward time, like Megatron: the same module may be reused (MTP logits).
+        self.main_grad = weight.main_grad if self.fusion else None
+
+    def compute(self, weight: torch.Tensor, grad2d: torch.Tensor, input2d: torch.Tensor):
+        """Return the ``grad_weight`` autograd expects (None when frozen or fully fused)."""
+        if not self.needed:
+            return None
+        if not self.fusion:
+            return grad2d.t().matmul(input2d)
+        weight.main_grad = self.main_grad
+        accum = self.main_grad
+        accum.addmm_(grad2d.t().to(accum.dtype), input2d.to(accum.dtype))
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        # Megatron returns a dummy grad so backward hooks run on the main thread
+        # (overlap_grad_reduce); zeros only when the parameter asks for it.
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        weight.grad_added_to_main_grad = True
+        return make(accum.shape, dtype=input2d.dtype, device=input2d.device)
+
+
+class MatmulAllReduce(torch.autograd.Function):
+    """RowParallel, no SP: ``AllReduce(x @ Wᵀ)``, compute-first. Backward is local."""
+
+    @staticmethod
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion):
+        x2d = _rows(x)
+        out = torch.empty(x2d.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+
+        def compute(start, stop):
+            return torch.matmul(x2d[start:stop], weight.t(), out=out[start:stop])
+
+        def communicate(start, stop, computed):
+            return collectives.all_reduce_async(computed, group)
+
+        run_compute_first(chunk_bounds(x2d.shape[0], chunks), compute, communicate)
+        ctx.save_for_backward(x, weight)
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad2d = _rows(grad_output)
+        grad_input = grad2d.matmul(weight).view(x.shape)
+        grad_weight = ctx.wgrad.compute(weight, grad2d, _rows(x))
+        return grad_input, grad_weight, None, None, None
+
+
+class MatmulReduceScatter(torch.autograd.Function):
+    """RowParallel, SP: ``ReduceScatter_seq(x @ Wᵀ)``, compute-first.
+
+    Backward: all-gather of the output gradient chunk by chunk, comm-first, each gathered
+    chunk feeding its dgrad matmul; wgrad from the fully gathered gradient at the end.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion):
+        tp_size = group.size()
+        x_blocks = _rank_blocks(_rows(x), tp_size)
+        block_rows = x_blocks.shape[1]
+        n = weight.shape[0]
+        out = torch.empty(block_rows, n, dtype=x.dtype, device=x.device)
+
+        def compute(start, stop):
+            # [TP, c, k] strided view in, contiguous [TP, c, n] out: rank-major, as RS wants.
+            return torch.matmul(x_blocks[:, start:stop], weight.t())
+
+        def communicate(start, stop, computed):
+            return collectives.reduce_scatter_async(out[start:stop], _rows(computed), group)
+
+        run_compute_first(chunk_bounds(block_rows, chunks), compute, communicate)
+        ctx.save_for_backward(x, weight)
+        ctx.chunks, ctx.group = chunks, group
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        return out.view(x.shape[0] // tp_size, *x.shape[1:-1], n)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        tp_size = group.size()
+        grad_shard = _rows(grad_output)
+        block_rows = grad_shard.shape[0]
+        grad_full = torch.empty(
+            tp_size * block_rows, grad_shard.shape[1], dtype=grad_shard.dtype, device=grad_shard.device
+        )
+        grad_blocks = _rank_blocks(grad_full, tp_size)
+        grad_input = _empty_like_contiguous(x)
+        dgrad_blocks = _rank_blocks(_rows(grad_input), tp_size)
+
+        def communicate(start, stop):
+            slots = list(grad_blocks[:, start:stop].unbind(0))
+            return collectives.all_gather_async(slots, grad_shard[start:stop].contiguous(), group)
+
+        def compute(start, stop):
+            torch.matmul(grad_blocks[:, start:stop], weight, out=dgrad_blocks[:, start:stop])
+
+        run_comm_first(chunk_bounds(block_rows, ctx.chunks), communicate, compute)
+        grad_weight = ctx.wgrad.compute(weight, grad_full, _rows(x))
+        return grad_input, grad_weight, None, None, None
+
+
+class AllGatherMatmul(torch.autograd.Function):
+    """ColumnParallel, SP: ``AllGather_seq(x) @ Wᵀ``, comm-first.
+
+    Backward: dgrad matmul + reduce-scatter chunk by chunk (compute-first). wgrad needs the
+    gathered input: re-gathered during the dgrad pipeline (``recompute_all_gather``) or kept
+    from forward (more memory, less communication).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, recompute_all_gather):
+        tp_size = group.size()
+        x_shard = _rows(x)
+        block_rows = x_shard.shape[0]
+        n = weight.shape[0]
+        gathered = torch.empty(tp_size * block_rows, x_shard.shape[1], dtype=x.dtype, device=x.device)
+        gathered_blocks = _rank_blocks(gathered, tp_size)
+        out = torch.empty(tp_size * block_rows, n, dtype=x.dtype, device=x.device)
+        out_blocks = _rank_blocks(out, tp_size)
+
+        def communicate(start, stop):
+            slots = list(gathered_blocks[:, start:stop].unbind(0))
+            return collectives.all_gather_async(slots, x_shard[start:stop].contiguous(), group)
+
+        def compute(start, stop):
+            torch.matmul(gathered_blocks[:, start:stop], weight.t(), out=out_blocks[:, start:stop])
+
+        run_comm_first(chunk_bounds(block_rows, chunks), communicate, compute)
+        wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        keep_gathered = wgrad.needed and not recompute_all_gather
+        ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
+        ctx.chunks, ctx.group, ctx.wgrad = chunks, group, wgrad
+        return out.view(x.shape[0] * tp_size, *x.shape[1:-1], n)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight, kept_gathered = ctx.saved_tensors
+        group = ctx.group
+        tp_size = group.size()
+        grad2d = _rows(grad_output)
+        grad_blocks = _rank_blocks(grad2d, tp_size)
+        x_shard = _rows(x)
+        block_rows = x_shard.shape[0]
+        grad_input = _empty_like_contiguous(x)
+        grad_input_rows = _rows(grad_input)
+        gathered, regather = kept_gathered, None
+        if ctx.wgrad.needed and gathered is None:
+            # Started first so it overlaps the dgrad matmuls below (Megatron does the same).
+            gathered = torch.empty(
+                tp_size * block_rows, x_shard.shape[1], dtype=x.dtype, device=x.device
+            )
+            regather = collectives.all_gather_into_tensor_async(gathered, x_shard.contiguous(), group)
+        grad_weight = None
+
+        def compute(start, stop):
+            return torch.matmul(grad_blocks[:, start:stop], weight)
+
+        def communicate(start, stop, computed):
+            return collectives.reduce_scatter_async(grad_input_rows[start:stop], _rows(computed), group)
+
+        def weight_grad_while_scattering():
+            nonlocal grad_weight
+            collectives.wait_all([regather])
+            grad_weight = ctx.wgrad.compute(weight, grad2d, gathered)
+
+        run_compute_first(
+            chunk_bounds(block_rows, ctx.chunks), compute, communicate, weight_grad_while_scattering
+        )
+        return grad_input, grad_weight, None, None, None, None
+
+
+class MatmulWithChunkedGradAllReduce(torch.autograd.Function):
+    """ColumnParallel, no SP: forward ``x @ Wᵀ`` (nothing to overlap); backward dgrad +
+    all-reduce chunk by chunk (compute-first) with wgrad computed while the last chunks reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion):
+        ctx.save_for_backward(x, weight)
+        ctx.chunks, ctx.group = chunks, group
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        return torch.matmul(x, weight.t())
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad2d = _rows(grad_output)
+        grad_input = _empty_like_contiguous(x)
+        grad_input_rows = _rows(grad_input)
+        grad_weight = None
+
+        def compute(start, stop):
+            return torch.matmul(grad2d[start:stop], weight, out=grad_input_rows[start:stop])
+
+        def communicate(start, stop, computed):
+            return collectives.all_reduce_async(computed, ctx.group)
+
+        def weight_grad_while_reducing():
+            nonlocal grad_weight
+            grad_weight = ctx.wgrad.compute(weight, grad2d, _rows(x))
+
+        run_compute_first(
+            chunk_bounds(grad2d.shape[0], ctx.chunks), compute, communicate, weight_grad_while_reducing
+        )
+        return grad_input, grad_weight, None, None, None

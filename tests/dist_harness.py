@@ -1,0 +1,119 @@
+"""A pool of real torch.distributed (gloo) worker processes, started once per test module.
+
+Each worker imports the real megatron-core, joins a gloo group and initialises Megatron's
+model-parallel state with TP = world size. Tests send a function (by ``module:name``) to
+every rank and get each rank's return value back; assertions happen in the test process.
+
+CPU shims, test-only (BRIEF §2): Megatron allocates some sequence-parallel buffers with
+``torch.cuda.current_device()``; the workers point that at the CPU. coc-inject's own code
+never calls it (a test checks the source).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import socket
+import traceback
+
+COC_VARS_PREFIXES = ("COC_", "USE_COC_")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _resolve(path: str):
+    module_name, name = path.split(":")
+    return getattr(importlib.import_module(module_name), name)
+
+
+def _worker(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        torch.cuda.current_device = lambda: torch.device("cpu")  # test-only shim, see module doc
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        path, kwargs = message
+        try:
+            conn.send(("ok", _resolve(path)(**kwargs)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int, timeout: float = 180.0):
+        self.world_size = world_size
+        self.broken = None
+        self.timeout = timeout
+        context = multiprocessing.get_context("spawn")
+        port = _free_port()
+        saved = {k: v for k, v in os.environ.items() if k.startswith(COC_VARS_PREFIXES)}
+        for key in saved:  # workers start with CoC off; tests install configs explicitly
+            del os.environ[key]
+        try:
+            self.conns, self.procs = [], []
+            for rank in range(world_size):
+                parent, child = context.Pipe()
+                proc = context.Process(target=_worker, args=(rank, world_size, port, child), daemon=True)
+                proc.start()
+                self.conns.append(parent)
+                self.procs.append(proc)
+        finally:
+            os.environ.update(saved)
+        self._collect("startup")
+
+    def _collect(self, what):
+        results, errors = [], []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(self.timeout):
+                errors.append(f"rank {rank}: no answer to {what} within {self.timeout}s")
+                continue
+            status, value = conn.recv()
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            results.append(value)
+        if errors:
+            # A rank that failed mid-collective leaves its peers blocked: the pool is unusable.
+            self.broken = f"{what} failed on a worker:\n" + "\n".join(errors)
+            self.close()
+            raise RuntimeError(self.broken)
+        return results
+
+    def run(self, path: str, **kwargs) -> list:
+        """Call ``path`` (``"module:function"``) with ``kwargs`` on every rank; per-rank results."""
+        if self.broken:
+            raise RuntimeError(f"worker pool is unusable after an earlier failure:\n{self.broken}")
+        for conn in self.conns:
+            conn.send((path, kwargs))
+        return self._collect(path)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=0 if self.broken else 30)
+            if proc.is_alive():
+                proc.kill()

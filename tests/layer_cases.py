@@ -1,0 +1,160 @@
+"""Functions run inside the gloo worker ranks (see dist_harness.py).
+
+They build real megatron-core layers, run them unpatched and with coc-inject installed on
+the same weights and inputs, and return plain numbers (errors, collective counts) to the
+test process, where the assertions are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+    "reduce_scatter_tensor", "reduce_scatter_single", "_all_gather_base", "_reduce_scatter_base",
+)
+
+
+@contextlib.contextmanager
+def count_collectives(counts: dict):
+    """Count collective calls, also through aliases Megatron bound at import time."""
+    import megatron.core.tensor_parallel.layers as layers
+    import megatron.core.tensor_parallel.mappings as mappings
+    import megatron.core.utils as utils
+
+    originals = {getattr(dist, name): name for name in COLLECTIVES if hasattr(dist, name)}
+    restore = []
+
+    def counting(function, name):
+        def call(*args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return function(*args, **kwargs)
+        return call
+
+    for module in (dist, layers, mappings, utils):
+        for attr, value in list(vars(module).items()):
+            if callable(value) and value in originals:
+                restore.append((module, attr, value))
+                setattr(module, attr, counting(value, originals[value]))
+    try:
+        yield counts
+    finally:
+        for module, attr, value in restore:
+            setattr(module, attr, value)
+
+
+def tp_rank_size():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, ffn, seed=1234,
+                gather_output=False):
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    _, tp = tp_rank_size()
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+        use_cpu_initialization=True, params_dtype=DTYPES[dtype], gradient_accumulation_fusion=False,
+    )
+    torch.manual_seed(seed)  # the master weight is generated identically on every rank
+    init = torch.nn.init.xavier_normal_
+    if kind == "row":
+        layer = RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=bias,
+                                  input_is_parallel=True, skip_bias_add=skip_bias_add)
+    else:
+        layer = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=bias,
+                                     gather_output=gather_output, skip_bias_add=skip_bias_add)
+    if layer.bias is not None:
+        with torch.no_grad():
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=torch.Generator().manual_seed(seed + 7)))
+    return layer
+
+
+def make_input(kind, layer, *, sequence_parallel, seq, batch, dtype, seed=99):
+    rank, tp = tp_rank_size()
+    if kind == "row":
+        rows, width, same_on_all_ranks = seq, layer.input_size_per_partition, False
+    else:
+        width = layer.input_size
+        rows = seq // tp if sequence_parallel else seq
+        same_on_all_ranks = not sequence_parallel  # column without SP: replicated activations
+    generator = torch.Generator().manual_seed(seed + (0 if same_on_all_ranks else 1000 * (rank + 1)))
+    return torch.randn(rows, batch, width, generator=generator).to(DTYPES[dtype])
+
+
+def grad_for(output, seed=5):
+    rank, _ = tp_rank_size()
+    generator = torch.Generator().manual_seed(seed + 31 * rank)
+    return torch.randn(output.shape, generator=generator).to(output.dtype)
+
+
+def run_layer(layer, x, forward_kwargs=None):
+    """One forward + backward; returns tensors and the collectives each direction issued."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    forward_counts, backward_counts = {}, {}
+    with count_collectives(forward_counts):
+        output, output_bias = layer(x, **(forward_kwargs or {}))
+    total = output if output_bias is None else output + output_bias
+    with count_collectives(backward_counts):
+        total.backward(grad_for(total))
+    result = {"output": output.detach().clone(), "input_grad": x.grad.clone()}
+    if layer.weight.requires_grad:
+        result["weight_grad"] = layer.weight.grad.clone()
+    if layer.bias is not None and layer.bias.grad is not None:
+        bias_grad = layer.bias.grad.clone()
+        if getattr(layer.bias, "sequence_parallel", False):
+            # Megatron all-reduces SP-replicated bias grads at gradient finalisation.
+            dist.all_reduce(bias_grad, group=layer.tp_group)
+        result["bias_grad"] = bias_grad
+    return result, forward_counts, backward_counts
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.double(), expected.double()
+    scale = expected.abs().max().item() or 1.0
+    return (actual - expected).abs().max().item() / scale
+
+
+def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=False, dtype="float32",
+            seq=16, batch=2, hidden=32, ffn=64, recompute_all_gather=True,
+            enable_coc_in_column_backward=False, forward_kwargs=None):
+    """Unpatched vs coc-inject on the same layer and input: relative errors and collective counts."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    patching.uninstall()
+    layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=bias,
+                        skip_bias_add=skip_bias_add, dtype=dtype, hidden=hidden, ffn=ffn)
+    x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype=dtype)
+    reference, ref_fwd, ref_bwd = run_layer(layer, x, forward_kwargs)
+    config = CocConfig(parallel_num=chunks, recompute_all_gather=recompute_all_gather,
+                       enable_coc_in_column_backward=enable_coc_in_column_backward)
+    assert patching.install(config)
+    try:
+        # The first CoC call also runs the once-per-group config agreement (one all_gather);
+        # count the second call, and check the two are bitwise identical (determinism).
+        first, _, _ = run_layer(layer, x, forward_kwargs)
+        calls_before = patching.engine().calls
+        coc, coc_fwd, coc_bwd = run_layer(layer, x, forward_kwargs)
+        coc_calls = patching.engine().calls - calls_before
+        bitwise_repeat = all(torch.equal(first[name], coc[name]) for name in coc)
+    finally:
+        patching.uninstall()
+    return {
+        "errors": {name: relative_error(coc[name], reference[name]) for name in reference},
+        "keys": sorted(coc),
+        "coc_calls": coc_calls,
+        "reference_counts": (ref_fwd, ref_bwd),
+        "coc_counts": (coc_fwd, coc_bwd),
+        "bitwise_repeat": bitwise_repeat,
+        "shapes_equal": all(coc[name].shape == reference[name].shape for name in reference),
+    }
