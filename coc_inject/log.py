@@ -11,8 +11,6 @@ import os
 import sys
 import threading
 
-LEVELS = ("debug", "info", "warning", "error")
-
 logger = logging.getLogger("coc_inject")
 _once_keys: set = set()
 _once_lock = threading.Lock()

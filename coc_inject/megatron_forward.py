@@ -44,6 +44,10 @@ CASES = (
 )
 
 
+# Chunk count used when a fused kernel was asked for but none can run.
+FUSED_FALLBACK_CHUNKS = 4
+
+
 @dataclass(frozen=True)
 class Fallback:
     """Why a call goes to Megatron's own forward. ``expected`` ones are logged at debug only."""
@@ -85,11 +89,12 @@ class CocEngine:
         if chunks == 1:
             return Fallback(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
         if chunks == -1:
-            # Fused kernels arrive with their backends; until then the chunked pipeline runs.
-            log.once(("fused", m, k, n), logging.INFO,
-                     f"fused kernel requested for shape [{m}, {k}, {n}] but no fused backend is "
-                     f"available; using the chunked pipeline with {self.config.parallel_num} chunks")
-            chunks = max(self.config.parallel_num, 2)
+            # No fused compute-communication backend exists yet: run the chunked pipeline.
+            chunks = self.config.parallel_num if self.config.parallel_num > 1 else FUSED_FALLBACK_CHUNKS
+            log.once("fused-unavailable", logging.WARNING,
+                     "fused CoC kernel requested (USE_COC_FUSED_KERNEL / COC_CUSTOMIZED -1) but no "
+                     f"fused backend is available in this version; using the chunked pipeline "
+                     f"with {chunks} chunks instead")
         return chunks
 
     def _agree(self, group, device):

@@ -88,7 +88,10 @@ class RankPool:
             if not conn.poll(self.timeout):
                 errors.append(f"rank {rank}: no answer to {what} within {self.timeout}s")
                 continue
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                status, value = "error", f"worker exited (exit code {self.procs[rank].exitcode})"
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
             results.append(value)

@@ -1,0 +1,592 @@
+"""Configuration from environment variables (and MindSpeed-style flags), validated up front.
+
+Everything here is pure stdlib and cheap to import: the interpreter bootstrap reads the
+config before torch is imported, and a bad value must fail loudly at start-up, not
+silently turn CoC off halfway through a multi-node job.
+
+Sources, strongest first: environment variables, then the ``COC_CONFIG`` JSON file, then
+MindSpeed's ``--use-ascend-coc`` flags (only where the matching variable is unset; a
+disagreement is an error), then the :class:`CocConfig` defaults.
+
+Every user-visible "allowed" text lives in :data:`ENV_REFERENCE` / :data:`FILE_REFERENCE`;
+the parser, the CLI and the README table all read them from there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+class ConfigError(ValueError):
+    """One invalid setting. ``str()`` is a single line naming the setting, its value and what is allowed.
+
+    ``variable`` names where the value came from: an environment variable
+    (``COC_PARALLEL_NUM``), a key in the config file (``COC_CONFIG=/p/x.json: key 'k_min'``)
+    or a command-line flag (``--coc-parallel-num``).
+    """
+
+    def __init__(self, variable: str, value, allowed: str, *, reason: str = "is invalid", message: str | None = None):
+        self.variable = variable
+        self.value = value
+        self.allowed = allowed
+        self.reason = reason
+        if message is None:
+            message = f"{variable}={value!r} {reason}: expected {allowed}"
+        # One line, always: these end up in per-rank log prefixes and CLI tables.
+        super().__init__(" ".join(message.splitlines()))
+
+    def __reduce__(self):
+        # The default pickling replays ``self.args`` (just the message) into __init__, which
+        # would fail; errors raised in worker processes must survive being sent back.
+        return (_rebuild_config_error, (self.variable, self.value, self.allowed, self.reason, str(self)))
+
+
+def _rebuild_config_error(variable, value, allowed, reason, message):
+    return ConfigError(variable, value, allowed, reason=reason, message=message)
+
+
+# --- reference: the single source of every name, default and "allowed" text -------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One documented setting: what to set, its default, what it accepts and what it does."""
+
+    name: str
+    default: str
+    allowed: str
+    meaning: str
+
+
+BOOL_ALLOWED = "1/0, true/false, yes/no, on/off (any case)"
+POSITIVE_INT_ALLOWED = "an integer >= 1"
+PARALLEL_NUM_ALLOWED = f"{POSITIVE_INT_ALLOWED} (1 = off)"
+SHAPE_KEY_ALLOWED = 'a string "[m, k, n]" holding a JSON list of three integers >= 1'
+SHAPE_COUNT_ALLOWED = "an integer >= 1, or -1 (fused for that shape); 1 = off for that shape"
+CUSTOMIZED_ALLOWED = (
+    'a JSON object {"[m, k, n]": chunks} mapping matmul shapes to chunk counts; '
+    f"keys: {SHAPE_KEY_ALLOWED}; values: {SHAPE_COUNT_ALLOWED}"
+)
+LOG_LEVEL_ALLOWED = ", ".join(LOG_LEVELS) + " (any case)"
+FLAG_NEEDS_USE_ASCEND_COC = "--use-ascend-coc alongside it (MindSpeed only honours the CoC flags with --use-ascend-coc)"
+
+
+def _shown(default) -> str:
+    """Render a dataclass default the way a user would type it in the environment."""
+    if isinstance(default, bool):
+        return "true" if default else "false"
+    if default == ():
+        return "{}"
+    return str(default)
+
+
+def _is_int(value) -> bool:
+    # JSON true/false arrive as bool, which is an int subclass; they are not chunk counts.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_valid_chunk_count(value) -> bool:
+    return _is_int(value) and (value >= 1 or value == -1)
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+# --- the configuration itself ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CocConfig:
+    """The resolved CoC settings of one process. Frozen and hashable, so it can key caches."""
+
+    parallel_num: int = 1
+    fused: bool = False
+    recompute_all_gather: bool = True
+    enable_coc_in_column_backward: bool = False
+    matmul_soc_friendly: bool = True
+    # Sorted tuple of ((m, k, n), chunks) pairs; a dict is accepted and normalised.
+    customized_coc: tuple = ()
+    k_min: int = 1024
+    k_max: int = 4096
+    log_level: str = "info"
+    disabled: bool = False
+    config_file: str | None = None
+
+    def __post_init__(self):
+        # Built by hand (tests, other modules) as well as by load_config, so normalise and
+        # check the few things that would otherwise fail far from their cause.
+        where = "CocConfig"
+        pairs = self.customized_coc.items() if isinstance(self.customized_coc, dict) else self.customized_coc
+        normalised = []
+        for shape, chunks in pairs:
+            shape = tuple(shape)
+            if len(shape) != 3 or not all(_is_int(d) and d >= 1 for d in shape):
+                raise ConfigError(f"{where}.customized_coc key", shape, SHAPE_KEY_ALLOWED)
+            if not _is_valid_chunk_count(chunks):
+                raise ConfigError(f"{where}.customized_coc[{shape!r}]", chunks, SHAPE_COUNT_ALLOWED)
+            normalised.append((shape, chunks))
+        chunks_by_shape = dict(normalised)
+        if len(chunks_by_shape) != len(normalised):
+            raise ConfigError(f"{where}.customized_coc", normalised, "each shape at most once")
+        object.__setattr__(self, "customized_coc", tuple(sorted(normalised)))
+        # Not a field (so not compared, hashed or fingerprinted): a lookup table for chunks_for.
+        object.__setattr__(self, "_chunks_by_shape", chunks_by_shape)
+        if not (_is_int(self.parallel_num) and self.parallel_num >= 1):
+            raise ConfigError(f"{where}.parallel_num", self.parallel_num, PARALLEL_NUM_ALLOWED)
+        for name in ("k_min", "k_max"):
+            if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
+                raise ConfigError(f"{where}.{name}", getattr(self, name), POSITIVE_INT_ALLOWED)
+        if self.k_min > self.k_max:
+            raise ConfigError(f"{where}.k_min", self.k_min, f"k_min <= k_max (k_max is {self.k_max})")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"{where}.log_level", self.log_level, ", ".join(LOG_LEVELS))
+
+    @property
+    def enabled(self) -> bool:
+        if self.disabled:
+            return False
+        return self.fused or self.parallel_num > 1 or any(chunks != 1 for _, chunks in self.customized_coc)
+
+    @property
+    def mode(self) -> str:
+        """"off" | "chunked" | "fused". Fused wins over the chunk count, as in MindSpeed."""
+        if not self.enabled:
+            return "off"
+        return "fused" if self.fused else "chunked"
+
+    def chunks_for(self, m: int, k: int, n: int) -> int:
+        """Chunk count for one matmul shape: its ``customized_coc`` entry, else the global setting.
+
+        -1 means "fused kernel" (this shape's entry, or ``USE_COC_FUSED_KERNEL`` for shapes
+        without one: fused wins over ``parallel_num``), 1 means "no CoC for this shape".
+        ``disabled`` is not folded in: callers look at ``enabled`` first.
+        """
+        return self._chunks_by_shape.get((m, k, n), -1 if self.fused else self.parallel_num)
+
+    def _agreed_fields(self) -> dict:
+        # The fields every rank must agree on: a mismatch would chunk collectives differently
+        # on different ranks and hang. Logging and provenance may differ freely.
+        return {
+            "parallel_num": self.parallel_num,
+            "fused": self.fused,
+            "recompute_all_gather": self.recompute_all_gather,
+            "enable_coc_in_column_backward": self.enable_coc_in_column_backward,
+            "matmul_soc_friendly": self.matmul_soc_friendly,
+            "customized_coc": [[list(shape), chunks] for shape, chunks in self.customized_coc],
+            "k_min": self.k_min,
+            "k_max": self.k_max,
+        }
+
+    def fingerprint(self) -> int:
+        """A non-negative int < 2**63, equal across processes and machines for equal settings.
+
+        Fits an int64 tensor, so ranks can all-reduce (min/max) it to detect disagreement.
+        """
+        import hashlib  # lazy: hashlib loads OpenSSL, which the bootstrap should not pay for
+        import json
+
+        canonical = json.dumps(["coc-inject-config-v1", self._agreed_fields()], sort_keys=True, separators=(",", ":"))
+        digest = hashlib.blake2b(canonical.encode("utf-8"), digest_size=8).digest()
+        return int.from_bytes(digest, "big") & (2**63 - 1)
+
+    def describe(self) -> dict:
+        """Plain JSON-able dict for display: every field, plus the derived ``mode`` and ``enabled``."""
+        return {
+            "mode": self.mode,
+            "enabled": self.enabled,
+            "parallel_num": self.parallel_num,
+            "fused": self.fused,
+            "recompute_all_gather": self.recompute_all_gather,
+            "enable_coc_in_column_backward": self.enable_coc_in_column_backward,
+            "matmul_soc_friendly": self.matmul_soc_friendly,
+            "customized_coc": {_shape_text(shape): chunks for shape, chunks in self.customized_coc},
+            "k_min": self.k_min,
+            "k_max": self.k_max,
+            "log_level": self.log_level,
+            "disabled": self.disabled,
+            "config_file": self.config_file,
+        }
+
+
+_DEFAULTS = CocConfig()
+
+# Keys of MindSpeed's origin ``coc_cfgs`` dict, as accepted in the COC_CONFIG file.
+FILE_REFERENCE = (
+    Setting("recompute_all_gather", _shown(_DEFAULTS.recompute_all_gather), "JSON true/false or " + BOOL_ALLOWED,
+            "Recompute the all-gathered input in the backward pass instead of keeping it."),
+    Setting("enable_coc_in_column_backward", _shown(_DEFAULTS.enable_coc_in_column_backward),
+            "JSON true/false or " + BOOL_ALLOWED, "Also pipeline the column-parallel backward pass."),
+    Setting("matmul_soc_friendly", _shown(_DEFAULTS.matmul_soc_friendly), "JSON true/false or " + BOOL_ALLOWED,
+            "Pad/align matmul shapes for the accelerator before chunking."),
+    Setting("customized_coc", "{}", CUSTOMIZED_ALLOWED, "Per-shape chunk counts, overriding the global one."),
+    Setting("k_min", _shown(_DEFAULTS.k_min), POSITIVE_INT_ALLOWED + ", <= k_max",
+            "matmul_soc_friendly pads an unaligned contraction size k only when k_min <= k <= k_max."),
+    Setting("k_max", _shown(_DEFAULTS.k_max), POSITIVE_INT_ALLOWED + ", >= k_min",
+            "Upper end of that k range (see k_min)."),
+    # Accepted so origin config files load unchanged; it only switched on MindSpeed's tensor
+    # dumps, which coc-inject does not do, so the value is validated and then ignored.
+    Setting("print_tensor_value_open", "false", "JSON true/false or " + BOOL_ALLOWED,
+            "Accepted for MindSpeed compatibility; ignored."),
+)
+_FILE_KEYS = tuple(s.name for s in FILE_REFERENCE)
+CONFIG_FILE_ALLOWED = "a path to a readable JSON file holding an object with keys " + ", ".join(_FILE_KEYS)
+
+ENV_REFERENCE = (
+    Setting("COC_DISABLE", "false", BOOL_ALLOWED,
+            "Master off switch: leaves every layer untouched (other variables are still validated)."),
+    Setting("COC_PARALLEL_NUM", _shown(_DEFAULTS.parallel_num), PARALLEL_NUM_ALLOWED,
+            "Number of chunks each tensor-parallel matmul is split into, pipelined with its collective."),
+    Setting("USE_COC_FUSED_KERNEL", _shown(_DEFAULTS.fused), BOOL_ALLOWED,
+            "Use the fused matmul+collective kernel; takes precedence over COC_PARALLEL_NUM."),
+    Setting("COC_RECOMPUTE_ALL_GATHER", _shown(_DEFAULTS.recompute_all_gather), BOOL_ALLOWED,
+            FILE_REFERENCE[0].meaning),
+    Setting("COC_ENABLE_IN_COLUMN_BACKWARD", _shown(_DEFAULTS.enable_coc_in_column_backward), BOOL_ALLOWED,
+            FILE_REFERENCE[1].meaning),
+    Setting("COC_MATMUL_SOC_FRIENDLY", _shown(_DEFAULTS.matmul_soc_friendly), BOOL_ALLOWED,
+            FILE_REFERENCE[2].meaning),
+    Setting("COC_CUSTOMIZED", "{}", CUSTOMIZED_ALLOWED,
+            FILE_REFERENCE[3].meaning + " Replaces the config file's customized_coc entirely."),
+    Setting("COC_CONFIG", "(unset)", CONFIG_FILE_ALLOWED,
+            "JSON file in MindSpeed's coc_cfgs format; each environment variable overrides its own key."),
+    Setting("COC_LOG_LEVEL", _DEFAULTS.log_level, LOG_LEVEL_ALLOWED, "Verbosity of the [coc-inject] stderr lines."),
+)
+_ALLOWED = {s.name: s.allowed for s in ENV_REFERENCE + FILE_REFERENCE}
+
+# Environment variables that override a key of the config file, and the CocConfig field both set.
+_ENV_BOOL_FILE_KEYS = (
+    ("COC_RECOMPUTE_ALL_GATHER", "recompute_all_gather"),
+    ("COC_ENABLE_IN_COLUMN_BACKWARD", "enable_coc_in_column_backward"),
+    ("COC_MATMUL_SOC_FRIENDLY", "matmul_soc_friendly"),
+)
+
+NO_FLAGS = {"use_ascend_coc": False, "parallel_num": None, "fused": False}
+
+
+# --- pure value parsers: each returns a value or raises ConfigError ----------------------
+
+
+def parse_bool(variable: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ConfigError(variable, text, BOOL_ALLOWED)
+
+
+def parse_parallel_num(variable: str, text: str) -> int:
+    digits = text.strip()
+    # isdigit + isascii, not int(): int() also takes "+2", "2_0" and non-ASCII digits.
+    if digits.isascii() and digits.isdigit() and int(digits) >= 1:
+        return int(digits)
+    raise ConfigError(variable, text, PARALLEL_NUM_ALLOWED)
+
+
+def _reject_duplicate_keys(pairs):
+    # json.loads silently keeps the last of two equal keys; a repeated key is a typo to report.
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen[key] = value
+    return seen
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _loads(text: str):
+    """json.loads that also rejects duplicate keys and NaN/Infinity."""
+
+    import json  # lazy: only needed when COC_CUSTOMIZED or COC_CONFIG is set
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not valid JSON")
+
+    return json.loads(text, object_pairs_hook=_reject_duplicate_keys, parse_constant=no_constants)
+
+
+def parse_customized(variable: str, raw) -> tuple:
+    """Turn ``{"[m, k, n]": chunks}`` (JSON text or an already-loaded object) into sorted pairs."""
+    loaded = raw
+    if isinstance(raw, str):
+        try:
+            loaded = _loads(raw)
+        except _DuplicateKey as dup:
+            raise ConfigError(variable, raw, CUSTOMIZED_ALLOWED, reason=f"repeats the key {dup.args[0]!r}") from None
+        except ValueError as exc:
+            raise ConfigError(variable, raw, CUSTOMIZED_ALLOWED, reason=f"is not valid JSON ({exc})") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(variable, raw, CUSTOMIZED_ALLOWED, reason="is not a JSON object")
+    chunks_by_shape = {}
+    for key, chunks in loaded.items():
+        shape = _parse_shape_key(key)
+        if shape is None:
+            raise ConfigError(f"{variable} key", key, SHAPE_KEY_ALLOWED)
+        if not _is_valid_chunk_count(chunks):
+            reason = "is a boolean, not an integer" if isinstance(chunks, bool) else "is invalid"
+            raise ConfigError(f"{variable}[{key!r}]", chunks, SHAPE_COUNT_ALLOWED, reason=reason)
+        if shape in chunks_by_shape:
+            # "[1,2,3]" and "[1, 2, 3]" are the same shape spelled twice.
+            raise ConfigError(f"{variable} key", key, SHAPE_KEY_ALLOWED + ", each shape at most once",
+                              reason=f"repeats the shape {_shape_text(shape)}")
+        chunks_by_shape[shape] = chunks
+    return tuple(sorted(chunks_by_shape.items()))
+
+
+def _parse_shape_key(key: str):
+    try:
+        shape = _loads(key)
+    except ValueError:
+        return None
+    if isinstance(shape, list) and len(shape) == 3 and all(_is_int(d) and d >= 1 for d in shape):
+        return tuple(shape)
+    return None
+
+
+def parse_log_level(variable: str, text: str) -> str:
+    level = text.strip().lower()
+    if level in LOG_LEVELS:
+        return level
+    raise ConfigError(variable, text, LOG_LEVEL_ALLOWED)
+
+
+# --- the config file -------------------------------------------------------------------
+
+
+def _read_config_file(path: str, errors: list) -> dict:
+    """Validated values of the COC_CONFIG file, keyed by CocConfig field; errors are appended."""
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as handle:
+            raw = _loads(handle.read())
+    except OSError as exc:
+        errors.append(ConfigError("COC_CONFIG", path, CONFIG_FILE_ALLOWED,
+                                  reason=f"cannot be read ({exc.strerror or exc})"))
+        return {}
+    except UnicodeDecodeError as exc:
+        errors.append(ConfigError("COC_CONFIG", path, CONFIG_FILE_ALLOWED, reason=f"is not UTF-8 text ({exc.reason})"))
+        return {}
+    except _DuplicateKey as dup:
+        errors.append(ConfigError("COC_CONFIG", path, CONFIG_FILE_ALLOWED, reason=f"repeats the key {dup.args[0]!r}"))
+        return {}
+    except ValueError as exc:
+        errors.append(ConfigError("COC_CONFIG", path, CONFIG_FILE_ALLOWED, reason=f"is not valid JSON ({exc})"))
+        return {}
+    if not isinstance(raw, dict):
+        errors.append(ConfigError("COC_CONFIG", path, CONFIG_FILE_ALLOWED,
+                                  reason=f"holds a JSON {type(raw).__name__}, not an object"))
+        return {}
+
+    values = {}
+    for key, value in raw.items():
+        where = f"COC_CONFIG={path}: key {key!r}"
+        try:
+            if key not in _FILE_KEYS:
+                raise ConfigError(f"COC_CONFIG={path}", key, "one of the keys " + ", ".join(_FILE_KEYS),
+                                  reason="has an unknown key")
+            if key == "customized_coc":
+                # Only an object here: a string would be a JSON document nested in JSON.
+                if not isinstance(value, dict):
+                    raise ConfigError(where, value, CUSTOMIZED_ALLOWED, reason="is not a JSON object")
+                values[key] = parse_customized(where, value)
+            elif key in ("k_min", "k_max"):
+                if not (_is_int(value) and value >= 1):
+                    raise ConfigError(where, value, POSITIVE_INT_ALLOWED)
+                values[key] = value
+            else:
+                values[key] = _file_bool(where, value)
+        except ConfigError as exc:
+            errors.append(exc)
+    # Checked on the values the config would end up with, so a file k_max below the
+    # default k_min is caught too.
+    k_min, k_max = values.get("k_min", _DEFAULTS.k_min), values.get("k_max", _DEFAULTS.k_max)
+    if k_min > k_max:
+        errors.append(ConfigError(f"COC_CONFIG={path}: keys 'k_min', 'k_max'", f"{k_min} > {k_max}", "k_min <= k_max"))
+    values.pop("print_tensor_value_open", None)  # validated above, then ignored (see FILE_REFERENCE)
+    return values
+
+
+def _file_bool(where: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _TRUE_WORDS or word in _FALSE_WORDS:
+            return word in _TRUE_WORDS
+    raise ConfigError(where, value, "JSON true/false or " + BOOL_ALLOWED)
+
+
+# --- putting it together ---------------------------------------------------------------
+
+
+def _env_text(environ, name: str) -> str | None:
+    """The variable's text, or None when unset; empty or blank counts as unset."""
+    text = environ.get(name)
+    if text is None or not text.strip():
+        return None
+    return text
+
+
+def _resolve(environ, argv_flags) -> tuple[dict, list]:
+    """Every variable parsed in ENV_REFERENCE order; returns (CocConfig kwargs, errors)."""
+    errors: list = []
+    values: dict = {}
+
+    def parse(name, parser, target):
+        text = _env_text(environ, name)
+        if text is None:
+            return None
+        try:
+            values[target] = parser(name, text)
+        except ConfigError as exc:
+            errors.append(exc)
+        return text
+
+    parse("COC_DISABLE", parse_bool, "disabled")
+    env_parallel_num = parse("COC_PARALLEL_NUM", parse_parallel_num, "parallel_num")
+    env_fused = parse("USE_COC_FUSED_KERNEL", parse_bool, "fused")
+    env_bools = {target: parse(name, parse_bool, target) for name, target in _ENV_BOOL_FILE_KEYS}
+    env_customized = parse("COC_CUSTOMIZED", parse_customized, "customized_coc")
+
+    config_path = _env_text(environ, "COC_CONFIG")
+    if config_path is not None:
+        config_path = config_path.strip()
+        values["config_file"] = config_path
+        from_file = _read_config_file(config_path, errors)
+        overridden = {target for target, text in env_bools.items() if text is not None}
+        if env_customized is not None:
+            overridden.add("customized_coc")  # env replaces the file's dict, no merging
+        for key, value in from_file.items():
+            if key not in overridden:
+                values[key] = value
+
+    parse("COC_LOG_LEVEL", parse_log_level, "log_level")
+
+    _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
+    return values, errors
+
+
+def _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors) -> None:
+    """Apply MindSpeed's flags where the matching variable is unset; disagreeing with it is an error."""
+    if not argv_flags:
+        return
+    flags = {**NO_FLAGS, **argv_flags}
+    flag_num, flag_fused = flags["parallel_num"], bool(flags["fused"])
+    if not flags["use_ascend_coc"]:
+        if flag_num is not None:
+            errors.append(ConfigError("--coc-parallel-num", flag_num, FLAG_NEEDS_USE_ASCEND_COC,
+                                      reason="is given without --use-ascend-coc"))
+        if flag_fused:
+            errors.append(ConfigError("--coc-fused-kernel", True, FLAG_NEEDS_USE_ASCEND_COC,
+                                      reason="is given without --use-ascend-coc"))
+        return
+
+    if flag_num is not None:
+        if not (_is_int(flag_num) and flag_num >= 1):
+            errors.append(ConfigError("--coc-parallel-num", flag_num, PARALLEL_NUM_ALLOWED))
+        elif env_parallel_num is None:
+            values["parallel_num"] = flag_num
+        elif "parallel_num" in values and values["parallel_num"] != flag_num:
+            errors.append(ConfigError(
+                "--coc-parallel-num / COC_PARALLEL_NUM", f"{flag_num} / {env_parallel_num.strip()}",
+                "the same value in both places, or only one of them",
+                message=(f"--coc-parallel-num {flag_num} disagrees with COC_PARALLEL_NUM={env_parallel_num.strip()}: "
+                         "set only one of them, or the same value in both"),
+            ))
+    if flag_fused:
+        if env_fused is None:
+            values["fused"] = True
+        elif values.get("fused") is False:
+            errors.append(ConfigError(
+                "--coc-fused-kernel / USE_COC_FUSED_KERNEL", f"true / {env_fused.strip()}",
+                "the same setting in both places, or only one of them",
+                message=(f"--coc-fused-kernel disagrees with USE_COC_FUSED_KERNEL={env_fused.strip()}: "
+                         "drop the flag, or unset the variable"),
+            ))
+
+
+def validate_all(environ=None, argv_flags: dict | None = None) -> list:
+    """Every problem with the settings, in ENV_REFERENCE order (empty when all is well)."""
+    _, errors = _resolve(os.environ if environ is None else environ, argv_flags)
+    return errors
+
+
+def load_config(environ=None, argv_flags: dict | None = None) -> CocConfig:
+    """The CocConfig from ``environ`` (default ``os.environ``) and optional MindSpeed flags.
+
+    Raises the first :class:`ConfigError`; use :func:`validate_all` to see all of them.
+    """
+    values, errors = _resolve(os.environ if environ is None else environ, argv_flags)
+    if errors:
+        raise errors[0]
+    return CocConfig(**values)
+
+
+def unknown_variables(environ=None) -> list:
+    """Set ``COC_*`` / ``USE_COC_*`` names that are not ours, e.g. typos like COC_PARALLEL_NUMS.
+
+    Not an error (someone else may own the name); meant for a warning or the CLI status.
+    """
+    environ = os.environ if environ is None else environ
+    known = {s.name for s in ENV_REFERENCE}
+    return sorted(n for n in environ if n.startswith(("COC_", "USE_COC_")) and n not in known)
+
+
+# --- MindSpeed command-line drop-in ----------------------------------------------------
+
+
+def extract_mindspeed_flags(argv: list) -> tuple:
+    """Take MindSpeed's CoC flags out of ``argv``: returns (flags, argv without them).
+
+    Recognises ``--use-ascend-coc``, ``--coc-parallel-num N`` / ``--coc-parallel-num=N``
+    and ``--coc-fused-kernel``; every other token, and everything after a bare ``--``, is
+    left exactly as it was. Removing them lets plain Megatron's argparse run unchanged.
+    """
+    flags = dict(NO_FLAGS)
+    rest: list = []
+    num_given = False
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        index += 1
+        if token == "--":
+            rest.append(token)
+            rest.extend(argv[index:])
+            break
+        if token == "--use-ascend-coc":
+            flags["use_ascend_coc"] = True
+        elif token == "--coc-fused-kernel":
+            flags["fused"] = True
+        elif token == "--coc-parallel-num" or token.startswith("--coc-parallel-num="):
+            if token == "--coc-parallel-num":
+                if index >= len(argv):
+                    raise ConfigError("--coc-parallel-num", None, PARALLEL_NUM_ALLOWED,
+                                      message=f"--coc-parallel-num is missing its value: expected {PARALLEL_NUM_ALLOWED}")
+                text = argv[index]
+                index += 1
+            else:
+                text = token.partition("=")[2]
+            number = parse_parallel_num("--coc-parallel-num", text)
+            if num_given and number != flags["parallel_num"]:
+                # argparse would silently keep the last one; two different counts is a mistake.
+                raise ConfigError("--coc-parallel-num", text, f"one value (it was already given as {flags['parallel_num']})",
+                                  reason="is given twice")
+            flags["parallel_num"], num_given = number, True
+        else:
+            rest.append(token)
+    if not flags["use_ascend_coc"]:
+        if flags["parallel_num"] is not None:
+            raise ConfigError("--coc-parallel-num", flags["parallel_num"], FLAG_NEEDS_USE_ASCEND_COC,
+                              reason="is given without --use-ascend-coc")
+        if flags["fused"]:
+            raise ConfigError("--coc-fused-kernel", True, FLAG_NEEDS_USE_ASCEND_COC,
+                              reason="is given without --use-ascend-coc")
+    return flags, rest
