@@ -55,11 +55,11 @@ def tp_rank_size():
 
 
 def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, ffn, seed=1234,
-                gather_output=False):
+                gather_output=False, tp_group=None, is_expert=False, frozen=False):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    _, tp = tp_rank_size()
+    tp = tp_group.size() if tp_group is not None else tp_rank_size()[1]
     config = ModelParallelConfig(
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         use_cpu_initialization=True, params_dtype=DTYPES[dtype], gradient_accumulation_fusion=False,
@@ -68,10 +68,13 @@ def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, 
     init = torch.nn.init.xavier_normal_
     if kind == "row":
         layer = RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=bias,
-                                  input_is_parallel=True, skip_bias_add=skip_bias_add)
+                                  input_is_parallel=True, skip_bias_add=skip_bias_add,
+                                  tp_group=tp_group, is_expert=is_expert)
     else:
         layer = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=bias,
-                                     gather_output=gather_output, skip_bias_add=skip_bias_add)
+                                     gather_output=gather_output, skip_bias_add=skip_bias_add,
+                                     tp_group=tp_group, is_expert=is_expert)
+    layer.weight.requires_grad_(not frozen)
     if layer.bias is not None:
         with torch.no_grad():
             layer.bias.copy_(torch.randn(layer.bias.shape, generator=torch.Generator().manual_seed(seed + 7)))
@@ -79,7 +82,7 @@ def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, 
 
 
 def make_input(kind, layer, *, sequence_parallel, seq, batch, dtype, seed=99):
-    rank, tp = tp_rank_size()
+    rank, tp = layer.tp_group.rank(), layer.tp_group.size()
     if kind == "row":
         rows, width, same_on_all_ranks = seq, layer.input_size_per_partition, False
     else:
@@ -91,7 +94,7 @@ def make_input(kind, layer, *, sequence_parallel, seq, batch, dtype, seed=99):
 
 
 def grad_for(output, seed=5):
-    rank, _ = tp_rank_size()
+    rank = dist.get_rank()
     generator = torch.Generator().manual_seed(seed + 31 * rank)
     return torch.randn(output.shape, generator=generator).to(output.dtype)
 
@@ -126,14 +129,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=False, dtype="float32",
             seq=16, batch=2, hidden=32, ffn=64, recompute_all_gather=True,
-            enable_coc_in_column_backward=False, forward_kwargs=None):
+            enable_coc_in_column_backward=False, forward_kwargs=None, layer_options=None):
     """Unpatched vs coc-inject on the same layer and input: relative errors and collective counts."""
     from coc_inject import patching
     from coc_inject.config import CocConfig
 
     patching.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=bias,
-                        skip_bias_add=skip_bias_add, dtype=dtype, hidden=hidden, ffn=ffn)
+                        skip_bias_add=skip_bias_add, dtype=dtype, hidden=hidden, ffn=ffn,
+                        **(layer_options or {}))
     x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype=dtype)
     reference, ref_fwd, ref_bwd = run_layer(layer, x, forward_kwargs)
     config = CocConfig(parallel_num=chunks, recompute_all_gather=recompute_all_gather,
@@ -158,3 +162,174 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
         "bitwise_repeat": bitwise_repeat,
         "shapes_equal": all(coc[name].shape == reference[name].shape for name in reference),
     }
+
+
+def _installed(config):
+    from coc_inject import patching
+
+    assert patching.install(config)
+    return patching
+
+
+def compare_main_grad(kind, *, chunks, sequence_parallel, zero_out_wgrad=False, seq=16, batch=2):
+    """gradient_accumulation_fusion: wgrad lands in weight.main_grad (plain torch ops, no apex)."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    patching.uninstall()
+    layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
+                        dtype="float32", hidden=32, ffn=64)
+    x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype="float32")
+    reference, _, _ = run_layer(layer, x)  # Megatron without fusion: plain weight.grad
+    initial = torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(3))
+    layer.gradient_accumulation_fusion = True  # set after init: Megatron's init demands apex
+    layer.weight.main_grad = initial.clone()
+    layer.weight.grad_added_to_main_grad = False
+    layer.weight.zero_out_wgrad = zero_out_wgrad
+    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
+    try:
+        coc, _, _ = run_layer(layer, x)
+    finally:
+        patching.uninstall()
+    return {
+        "main_grad_error": relative_error(layer.weight.main_grad, initial + reference["weight_grad"]),
+        "grad_added_to_main_grad": layer.weight.grad_added_to_main_grad,
+        "dummy_grad_shape_ok": tuple(coc["weight_grad"].shape) == tuple(layer.weight.shape),
+        "dummy_grad_is_zero": bool((coc["weight_grad"] == 0).all()),
+        "input_grad_error": relative_error(coc["input_grad"], reference["input_grad"]),
+    }
+
+
+def compare_explicit_weight(*, chunks, sequence_parallel, seq=16, batch=2):
+    """ColumnParallelLinear.forward(input, weight=W): W is used and receives the gradient."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    patching.uninstall()
+    layer = build_layer("column", sequence_parallel=sequence_parallel, bias=False, skip_bias_add=False,
+                        dtype="float32", hidden=32, ffn=64)
+    x = make_input("column", layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype="float32")
+    external = torch.randn(layer.weight.shape, generator=torch.Generator().manual_seed(11))
+
+    def run():
+        weight = external.clone().requires_grad_(True)
+        inp = x.clone().requires_grad_(True)
+        output, _ = layer(inp, weight=weight)
+        output.backward(grad_for(output))
+        return output.detach(), inp.grad, weight.grad
+
+    reference = run()
+    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
+    try:
+        calls = patching.engine().calls
+        coc = run()
+        calls = patching.engine().calls - calls
+    finally:
+        patching.uninstall()
+    return {"coc_calls": calls,
+            "errors": [relative_error(a, b) for a, b in zip(coc, reference)],
+            "layer_weight_untouched": layer.weight.grad is None}
+
+
+def compare_in_subgroups(kind, *, chunks, sequence_parallel, subgroup_size=2, seq=16, batch=2):
+    """Layers built with their own tp_group (not Megatron's global TP group)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(start, start + subgroup_size)))
+              for start in range(0, world, subgroup_size)]
+    mine = groups[rank // subgroup_size]
+    result = compare(kind, chunks=chunks, sequence_parallel=sequence_parallel, seq=seq, batch=batch,
+                     enable_coc_in_column_backward=True, layer_options={"tp_group": mine})
+    result["group_size"] = mine.size()
+    return result
+
+
+def mismatched_config(chunks_by_rank):
+    """Each rank installs a different chunk count: every rank must raise, none may hang."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+    from coc_inject.pipeline.agreement import ConfigMismatchError
+
+    patching.uninstall()
+    layer = build_layer("row", sequence_parallel=False, bias=False, skip_bias_add=False,
+                        dtype="float32", hidden=16, ffn=32)
+    x = make_input("row", layer, sequence_parallel=False, seq=8, batch=1, dtype="float32")
+    _installed(CocConfig(parallel_num=chunks_by_rank[dist.get_rank()]))
+    try:
+        layer(x)
+    except ConfigMismatchError as error:
+        return str(error)
+    finally:
+        patching.uninstall()
+    return None
+
+
+def fallback_is_megatron(kind, *, chunks, reason_fragment, layer_options, sequence_parallel=False, seq=16):
+    """A call the engine declines runs Megatron's forward (identical numbers) and says why once."""
+    import io
+    import logging
+
+    from coc_inject import log, patching
+    from coc_inject.config import CocConfig
+
+    patching.uninstall()
+    options = {"bias": True, "skip_bias_add": False, **layer_options}
+    layer = build_layer(kind, sequence_parallel=sequence_parallel, dtype="float32", hidden=32, ffn=64,
+                        **options)
+    x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=2, dtype="float32")
+    reference, _, _ = run_layer(layer, x)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    log.configure("debug")
+    log.logger.addHandler(handler)
+    _installed(CocConfig(parallel_num=chunks))
+    try:
+        coc, _, _ = run_layer(layer, x)
+        run_layer(layer, x)
+        calls = patching.engine().calls
+    finally:
+        patching.uninstall()
+        log.logger.removeHandler(handler)
+        log.configure("info")
+    said = stream.getvalue()
+    return {"calls": calls, "said_times": said.count(reason_fragment),
+            "bitwise_equal": all(torch.equal(coc[name], reference[name]) for name in reference)}
+
+
+def train_mlp(*, chunks, sequence_parallel, steps=5, seq=16, batch=2, hidden=32, ffn=64):
+    """Column -> gelu -> Row trained with Adam; the loss sequence unpatched and with CoC."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    def losses():
+        column = build_layer("column", sequence_parallel=sequence_parallel, bias=True,
+                             skip_bias_add=False, dtype="float32", hidden=hidden, ffn=ffn, seed=21)
+        row = build_layer("row", sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
+                          dtype="float32", hidden=hidden, ffn=ffn, seed=22)
+        params = list(column.parameters()) + list(row.parameters())
+        optimizer = torch.optim.Adam(params, lr=1e-2)
+        x = make_input("column", column, sequence_parallel=sequence_parallel, seq=seq, batch=batch,
+                       dtype="float32")
+        target = torch.randn(x.shape, generator=torch.Generator().manual_seed(dist.get_rank()))
+        history = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            hidden_states, _ = column(x)
+            output, _ = row(torch.nn.functional.gelu(hidden_states))
+            loss = (output - target).pow(2).mean()
+            loss.backward()
+            for param in params:  # what Megatron's finalize_model_grads does for SP params
+                if getattr(param, "sequence_parallel", False) and param.grad is not None:
+                    dist.all_reduce(param.grad, group=row.tp_group)
+            optimizer.step()
+            history.append(loss.item())
+        return history
+
+    patching.uninstall()
+    reference = losses()
+    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
+    try:
+        coc = losses()
+        calls = patching.engine().calls
+    finally:
+        patching.uninstall()
+    return {"reference": reference, "coc": coc, "calls": calls}
