@@ -333,3 +333,28 @@ def train_mlp(*, chunks, sequence_parallel, steps=5, seq=16, batch=2, hidden=32,
     finally:
         patching.uninstall()
     return {"reference": reference, "coc": coc, "calls": calls}
+
+
+def compiled_call(kind, *, chunks, sequence_parallel, backend="eager"):
+    """torch.compile of a patched layer still runs the CoC forward (and equals unpatched)."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    patching.uninstall()
+    torch._dynamo.reset()
+    layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
+                        dtype="float32", hidden=32, ffn=64)
+    x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=16, batch=2, dtype="float32")
+    reference, _, _ = run_layer(layer, x)
+    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
+    try:
+        compiled = torch.compile(layer, backend=backend)
+        coc, _, _ = run_layer(compiled, x)  # also runs the one-time config agreement
+        calls = patching.engine().calls
+        coc, forward_counts, backward_counts = run_layer(compiled, x)
+        calls = patching.engine().calls - calls
+    finally:
+        patching.uninstall()
+        torch._dynamo.reset()
+    return {"calls": calls, "forward_counts": forward_counts, "backward_counts": backward_counts,
+            "errors": {name: relative_error(coc[name], reference[name]) for name in reference}}

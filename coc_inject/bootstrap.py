@@ -1,0 +1,155 @@
+"""Interpreter-start half of the injector: is CoC requested, and if so arm a lazy import trigger.
+
+``sitecustomize`` calls :func:`start` in *every* Python process that has the bootstrap on
+PYTHONPATH (pip, torchrun's agent, multiprocessing children, small tools...), so this module
+is stdlib-only (``os``, ``sys``) and does nothing heavy. When CoC is requested it puts one
+tiny finder at the front of ``sys.meta_path`` that reacts only to the top-level name
+``megatron``. The first time Megatron is imported, the finder imports wrapt (100+ ms with
+wrapt 2.x, so only processes that really import Megatron pay for it) and registers the
+post-import hook ``coc_inject.patching:on_layers_imported`` on
+``megatron.core.tensor_parallel.layers``; the finder then returns ``None`` so the normal
+import proceeds untouched.
+"""
+
+import os
+import sys
+
+HOOK = "coc_inject.patching:on_layers_imported"
+TARGET = "megatron.core.tensor_parallel.layers"
+TRIGGER = "megatron"
+# MindSpeed's command-line switches. The config rejects the last two without the first;
+# they count as a request here so that it is the config that says so.
+ARGV_FLAGS = ("--use-ascend-coc", "--coc-fused-kernel", "--coc-parallel-num")
+
+_TRUE_WORDS = frozenset(("1", "true", "yes", "on"))
+_FALSE_WORDS = frozenset(("0", "false", "no", "off"))
+
+_finder = None  # the installed _MegatronTrigger, if any
+_hook_registered = False
+_error = None  # str: why the hook could not be registered (CoC then is NOT active)
+
+
+def _word(environ, name):
+    value = environ.get(name)
+    return None if value is None else value.strip()
+
+
+def requested(environ=None, argv=None) -> bool:
+    """Cheap check: does this process ask for CoC? (Validation happens later, in the config.)
+
+    Invalid values count as a request on purpose, so that the config loader, not this
+    check, reports them (``COC_PARALLEL_NUM=abc`` must fail loudly, not silently do nothing).
+    """
+    if environ is None:
+        environ = os.environ
+    if argv is None:
+        argv = getattr(sys, "argv", None) or ()
+
+    disable = _word(environ, "COC_DISABLE")
+    if disable and disable.lower() in _TRUE_WORDS:
+        return False
+
+    parallel = _word(environ, "COC_PARALLEL_NUM")
+    if parallel and parallel != "1":
+        return True
+
+    # An empty USE_COC_FUSED_KERNEL counts as unset (``export USE_COC_FUSED_KERNEL=``).
+    fused = _word(environ, "USE_COC_FUSED_KERNEL")
+    if fused and fused.lower() not in _FALSE_WORDS:
+        return True
+
+    for name in ("COC_CUSTOMIZED", "COC_CONFIG"):
+        if _word(environ, name):
+            return True
+
+    for token in argv:
+        if isinstance(token, str) and token.startswith("--") and token.partition("=")[0] in ARGV_FLAGS:
+            return True
+    return False
+
+
+class _MegatronTrigger:
+    """``sys.meta_path`` finder that fires once, on the first lookup of the ``megatron`` package.
+
+    It never finds anything itself. It stays in ``sys.meta_path`` after firing (removing
+    itself while the import system iterates the list would make it skip the next finder);
+    afterwards it costs one string compare per import.
+    """
+
+    def __init__(self):
+        self.fired = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != TRIGGER or self.fired:
+            return None
+        self.fired = True
+        # wrapt inserts its own finder at sys.meta_path[0] here. The import system is
+        # iterating that list right now: an insertion before our position only makes it
+        # visit us once more (fired -> None), it never skips a finder. wrapt's finder is
+        # not consulted for "megatron" itself, which is fine: it only matters for the
+        # hooked submodule, whose lookup starts a fresh pass over sys.meta_path.
+        _register()
+        return None
+
+    def __repr__(self):
+        return f"<coc_inject.bootstrap trigger on {TRIGGER!r}, fired={self.fired}>"
+
+
+def _register():
+    """Hand over to wrapt. Missing/broken wrapt is reported once and leaves Megatron unpatched."""
+    global _hook_registered, _error
+    if _hook_registered:
+        return
+    try:
+        import wrapt
+
+        register = wrapt.register_post_import_hook
+    except Exception as exc:  # an internal fault must never break the user's Megatron import
+        _error = f"{type(exc).__name__}: {exc}"
+        sys.stderr.write(
+            "[coc-inject] cannot install the Megatron import hook, CoC is NOT active: "
+            + " ".join(_error.split())
+            + "\n"
+        )
+        return
+    _hook_registered = True
+    # If the layers module is already imported, wrapt runs the hook right here; a
+    # configuration error it raises must propagate (it stops the job on purpose).
+    register(HOOK, TARGET)
+
+
+def start():
+    """Arm the injector if CoC is requested. Idempotent; cheap when it is not requested."""
+    global _finder
+    if _finder is not None or _hook_registered:
+        return
+    if not requested(os.environ, getattr(sys, "argv", None) or ()):
+        return
+    if TRIGGER in sys.modules:
+        # Megatron is already imported (start() called late, e.g. by hand): hook now.
+        # wrapt fires the hook at once if the layers module is already imported too.
+        _register()
+        return
+    _finder = _MegatronTrigger()
+    sys.meta_path.insert(0, _finder)
+
+
+def stop():
+    """Remove the trigger (for tests). A hook already handed to wrapt stays registered there."""
+    global _finder
+    finder, _finder = _finder, None
+    if finder is not None:
+        try:
+            sys.meta_path.remove(finder)
+        except ValueError:
+            pass
+
+
+def state() -> dict:
+    """What the bootstrap did in this process (for ``coc-inject status`` and tests)."""
+    return {
+        "trigger_installed": _finder is not None and _finder in sys.meta_path,
+        "trigger_fired": bool(_finder is not None and _finder.fired),
+        "hook_registered": _hook_registered,
+        "error": _error,
+    }
