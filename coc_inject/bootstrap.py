@@ -153,3 +153,13 @@ def state() -> dict:
         "hook_registered": _hook_registered,
         "error": _error,
     }
+
+
+def bootstrap_dir() -> str | None:
+    """The directory to put on PYTHONPATH: ``coc_inject/_site`` when installed from a wheel,
+    ``<checkout>/sitecustomize`` in a source checkout or editable install."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.path.join(package, "_site"), os.path.join(os.path.dirname(package), "sitecustomize")):
+        if os.path.isfile(os.path.join(candidate, "sitecustomize.py")):
+            return candidate
+    return None

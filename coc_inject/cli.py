@@ -1,0 +1,174 @@
+"""``coc-inject`` / ``python -m coc_inject``: status | run | env.
+
+* ``status``: the resolved configuration (or every error in it), whether the bootstrap will
+  run in Python processes started from this environment, the shadowed sitecustomize it
+  chains, the megatron-core version, importable fused backends and the handled cases.
+  Exits 1 on a bad configuration, so it can gate a job script.
+* ``run [N|fused|off] -- CMD ...``: put the bootstrap on PYTHONPATH and exec CMD
+  (like ``ddtrace-run``); the optional first word sets the toggles as ``env/coc.sh`` does.
+* ``env [N|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.machinery
+import importlib.util
+import os
+import shlex
+import sys
+
+from coc_inject import __version__, bootstrap
+
+# Optional fused-kernel libraries: looked up, never imported (torch_npu without the Ascend
+# CANN libraries breaks `import torch` itself).
+BACKEND_MODULES = {"atb": "torch_atb", "mc2": "torch_npu", "symm_mem": "torch.distributed._symmetric_memory"}
+
+
+def toggles(mode: str | None) -> dict:
+    """Environment for ``N`` / ``fused`` / ``off`` (None: leave the toggles alone).
+
+    A value of None means "unset this variable".
+    """
+    if mode is None:
+        return {}
+    if mode == "off":
+        return {"COC_DISABLE": "1"}
+    if mode == "fused":
+        return {"USE_COC_FUSED_KERNEL": "1", "COC_DISABLE": None}
+    if mode.isdigit() and int(mode) >= 1:
+        return {"COC_PARALLEL_NUM": str(int(mode)), "USE_COC_FUSED_KERNEL": "0", "COC_DISABLE": None}
+    raise SystemExit(f"coc-inject: mode={mode!r} is invalid: expected a positive integer N (chunk count), "
+                     "'fused' or 'off'")
+
+
+def pythonpath_with_bootstrap(current: str | None, site_dir: str) -> str:
+    entries = [entry for entry in (current or "").split(os.pathsep) if entry and entry != site_dir]
+    return os.pathsep.join([site_dir, *entries])
+
+
+def _site_dir_or_exit() -> str:
+    site_dir = bootstrap.bootstrap_dir()
+    if site_dir is None:
+        raise SystemExit("coc-inject: cannot find the bootstrap directory (sitecustomize.py) of this install")
+    return site_dir
+
+
+def _environment_for(mode: str | None) -> dict:
+    changes = toggles(mode)
+    changes["PYTHONPATH"] = pythonpath_with_bootstrap(os.environ.get("PYTHONPATH"), _site_dir_or_exit())
+    return changes
+
+
+def cmd_env(args) -> int:
+    for name, value in _environment_for(args.mode).items():
+        print(f"unset {name}" if value is None else f"export {name}={shlex.quote(value)}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    mode = None
+    if command and command[0] not in ("--",) and (command[0] in ("fused", "off") or command[0].isdigit()):
+        mode, command = command[0], command[1:]
+        command = command[1:] if command[:1] == ["--"] else command
+    if not command:
+        raise SystemExit("coc-inject run: no command given (usage: coc-inject run [N|fused|off] -- CMD ...)")
+    for name, value in _environment_for(mode).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        os.execvp(command[0], command)
+    except OSError as error:
+        raise SystemExit(f"coc-inject run: cannot execute {command[0]!r}: {error}") from None
+
+
+def _shadowed_sitecustomize(site_dir: str) -> str | None:
+    others = [entry for entry in sys.path if os.path.abspath(entry or ".") != site_dir]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", others)
+    return spec.origin if spec is not None else None
+
+
+def _bootstrap_report(site_dir: str | None) -> list[str]:
+    lines = []
+    on_path = site_dir is not None and site_dir in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    lines.append(f"bootstrap dir     : {site_dir or 'NOT FOUND'}")
+    lines.append(f"on PYTHONPATH     : {'yes' if on_path else 'no  (source env/coc.sh, or use coc-inject run)'}")
+    skipped = [flag for flag, on in (("-I", sys.flags.isolated), ("-E", sys.flags.ignore_environment),
+                                     ("-S", sys.flags.no_site)) if on]
+    if skipped:
+        lines.append(f"will run          : NO in this interpreter: started with {' '.join(skipped)}, which "
+                     "skips PYTHONPATH/site, so the bootstrap never runs")
+    else:
+        lines.append(f"will run          : {'yes' if on_path else 'no'} (python -I, -E or -S would skip it)")
+    requested = bootstrap.requested()
+    lines.append(f"CoC requested     : {'yes' if requested else 'no'} (by the environment / command line)")
+    if site_dir is not None:
+        lines.append(f"chains            : {_shadowed_sitecustomize(site_dir) or 'no other sitecustomize'}")
+    return lines
+
+
+def cmd_status(args) -> int:
+    from coc_inject import config as config_module
+    from coc_inject import patching
+
+    print(f"coc-inject {__version__} (python {sys.version.split()[0]}, {sys.executable})")
+    for line in _bootstrap_report(bootstrap.bootstrap_dir()):
+        print(line)
+
+    version = patching.megatron_version()
+    low, high = (".".join(map(str, v)) for v in patching.SUPPORTED_MEGATRON)
+    support = "supported" if patching.megatron_supported(version) else f"NOT supported (supported: {low} .. {high}.x)"
+    print(f"megatron-core     : {version or 'not installed'} {'' if version is None else support}".rstrip())
+    for name, module in BACKEND_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        note = ""
+        if found and name == "symm_mem":
+            import torch
+
+            note = "" if torch.cuda.is_available() else ", but no CUDA device"
+        print(f"backend {name:<9} : {'importable' if found else 'not importable'} ({module}{note})")
+    print("                    fused backends are not wired in this version: "
+          "USE_COC_FUSED_KERNEL=1 runs the chunked pipeline and says so")
+
+    errors = config_module.validate_all()
+    print("configuration     :", "INVALID" if errors else "ok")
+    for error in errors:
+        print(f"  error: {error}")
+    if not errors:
+        for key, value in config_module.load_config().describe().items():
+            print(f"  {key:<30} {value}")
+    unknown = config_module.unknown_variables()
+    if unknown:
+        print(f"  warning: unknown variables (typo?): {', '.join(unknown)}")
+
+    from coc_inject.megatron_forward import CASES
+
+    print("cases handled     :")
+    for case in CASES:
+        print(f"  {case.layer:<21} {case.mode:<6} fwd: {case.forward}; bwd: {case.backward} [{case.schedule.value}]")
+    return 1 if errors else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coc-inject", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"coc-inject {__version__}")
+    commands = parser.add_subparsers(dest="command_name", required=True)
+    commands.add_parser("status", help="show configuration, bootstrap and backends").set_defaults(func=cmd_status)
+    run = commands.add_parser("run", help="run a command with the bootstrap on PYTHONPATH")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="[N|fused|off] -- CMD ...")
+    run.set_defaults(func=cmd_run)
+    env = commands.add_parser("env", help="print shell exports")
+    env.add_argument("mode", nargs="?", help="N (chunk count) | fused | off")
+    env.set_defaults(func=cmd_env)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
