@@ -14,6 +14,9 @@ import os
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "reduce_scatter_tensor", "reduce_scatter_single")
@@ -43,10 +46,6 @@ def main():
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    from megatron.core import parallel_state
-    from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
     tp = dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,

@@ -1,0 +1,136 @@
+"""The product as users run it: an unmodified script under torchrun, CoC set by environment only.
+
+examples/tp_mlp.py knows nothing of CoC. It runs Column -> gelu -> Row (TP=2, no SP) with
+seq=13, batch=2: m=26 rows, not divisible by 3, 4 or 8. Each launch is run once per module.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / "sitecustomize"
+SCRIPT = ROOT / "examples" / "tp_mlp.py"
+ROWS = 13 * 2
+CHUNK_COUNTS = [1, 2, 3, 4, 8]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}
+    env.pop("PYTHONPATH", None)
+    env.update(extra)
+    return env
+
+
+def torchrun(tmp_path, name, env, *script_args, timeout=240):
+    out = tmp_path / f"{name}.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--standalone", str(SCRIPT), "--out", str(out), *script_args]
+    proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    results = [torch.load(tmp_path / f"{name}_rank{rank}.pt") for rank in range(2)] if proc.returncode == 0 else None
+    return proc, results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("e2e")
+    launched = {"off": torchrun(tmp_path, "off", clean_env())}
+    for chunks in CHUNK_COUNTS:
+        extra = {"COC_LOG_LEVEL": "debug"} if chunks == 2 else {}
+        launched[chunks] = torchrun(tmp_path, f"n{chunks}", clean_env(
+            PYTHONPATH=str(SITE), COC_PARALLEL_NUM=str(chunks), **extra))
+    for name, (proc, _) in launched.items():
+        assert proc.returncode == 0, f"run {name} failed:\n{proc.stderr[-4000:]}"
+    return launched
+
+
+def relative_error(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("chunks", CHUNK_COUNTS)
+def test_unmodified_script_matches_unpatched(runs, chunks):
+    _, reference = runs["off"]
+    _, coc = runs[chunks]
+    for rank in range(2):
+        tensors = [key for key, value in reference[rank].items() if torch.is_tensor(value)]
+        assert {"output", "input_grad", "fc1.weight.grad", "fc2.weight.grad", "fc2.bias.grad"} <= set(tensors)
+        for key in tensors:
+            assert relative_error(coc[rank][key], reference[rank][key]) <= 1e-5, (chunks, rank, key)
+
+
+@pytest.mark.parametrize("chunks", CHUNK_COUNTS)
+def test_forward_really_chunked(runs, chunks):
+    _, reference = runs["off"]
+    _, coc = runs[chunks]
+    for rank in range(2):
+        assert reference[rank]["forward_collectives"] == {"all_reduce": 1}
+        if chunks == 1:  # 1 = off: nothing patched, Megatron's single all-reduce
+            assert coc[rank]["forward_collectives"] == {"all_reduce": 1}
+        else:
+            # Row: one all-reduce per chunk, plus the one-time cross-rank config check.
+            assert coc[rank]["forward_collectives"] == {"all_reduce": min(chunks, ROWS), "all_gather": 1}
+        # Column without SP keeps Megatron's own backward overlap by default.
+        assert coc[rank]["backward_collectives"] == reference[rank]["backward_collectives"]
+
+
+def test_banner_once_from_rank_zero(runs):
+    stderr = runs[4][0].stderr
+    banners = [line for line in stderr.splitlines() if "CoC active" in line]
+    assert len(banners) == 1, stderr[-3000:]
+    assert banners[0].startswith("[coc-inject rank 0] CoC active")
+    for fragment in ("rank 0/2", "mode chunked", "N=4", "megatron-core 0.", "RowParallelLinear.forward"):
+        assert fragment in banners[0]
+    assert "CoC active" not in runs["off"][0].stderr
+    assert "CoC active" not in runs[1][0].stderr  # N=1 is off: nothing patched, nothing said
+
+
+def test_debug_level_every_rank_and_fallback_reasons(runs):
+    stderr = runs[2][0].stderr
+    assert "[coc-inject rank 0] CoC active" in stderr and "[coc-inject rank 1] CoC active" in stderr
+    reasons = [line for line in stderr.splitlines() if "Megatron's own forward is used" in line]
+    assert len(reasons) == 2  # the Column layer, once per rank
+    assert all("COC_ENABLE_IN_COLUMN_BACKWARD=1" in line for line in reasons)
+
+
+def test_bad_value_stops_training_but_not_python(tmp_path):
+    env = clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="four")
+    proc, _ = torchrun(tmp_path, "bad", env)
+    assert proc.returncode != 0
+    assert "COC_PARALLEL_NUM='four' is invalid: expected an integer >= 1 (1 = off)" in proc.stderr
+    unrelated = subprocess.run([sys.executable, "-c", "print(6 * 7)"], env=env, capture_output=True,
+                               text=True, timeout=60)
+    assert unrelated.returncode == 0 and unrelated.stdout.strip() == "42" and unrelated.stderr == ""
+
+
+def test_mindspeed_flags_are_honoured_and_removed(tmp_path):
+    # The script's argparse would reject the MindSpeed flags: success means they were removed.
+    env = clean_env(PYTHONPATH=str(SITE))
+    proc, results = torchrun(tmp_path, "mindspeed", env, "--use-ascend-coc", "--coc-parallel-num", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "N=4" in proc.stderr
+    assert results[0]["forward_collectives"]["all_reduce"] == 4
+
+
+def test_mindspeed_flag_disagreeing_with_env_is_an_error(tmp_path):
+    env = clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="2")
+    proc, _ = torchrun(tmp_path, "disagree", env, "--use-ascend-coc", "--coc-parallel-num", "4")
+    assert proc.returncode != 0
+    assert "--coc-parallel-num 4 disagrees with COC_PARALLEL_NUM=2" in proc.stderr
+
+
+def test_cli_run_launches_with_the_bootstrap(tmp_path):
+    out = tmp_path / "cli.pt"
+    command = [sys.executable, "-m", "coc_inject", "run", "3", "--", sys.executable, "-m",
+               "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(SCRIPT),
+               "--out", str(out)]
+    proc = subprocess.run(command, env=clean_env(PYTHONPATH=str(ROOT)), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "N=3" in proc.stderr
+    assert torch.load(tmp_path / "cli_rank0.pt")["forward_collectives"]["all_reduce"] == 3
