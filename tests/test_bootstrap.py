@@ -24,11 +24,7 @@ SITE = REPO / "sitecustomize"
 SITE_FILE = SITE / "sitecustomize.py"
 COC_SH = REPO / "env" / "coc.sh"
 
-try:
-    from coc_inject import bootstrap
-except ImportError:  # plain `pytest` without an install: make the checkout importable
-    sys.path.insert(0, str(REPO))
-    from coc_inject import bootstrap
+from coc_inject import bootstrap  # noqa: E402  (pytest puts the checkout on sys.path)
 
 HEAVY = ("torch", "wrapt", "megatron", "coc_inject.config", "coc_inject.patching", "importlib.metadata")
 

@@ -4,8 +4,6 @@ examples/tp_mlp.py knows nothing of CoC. It runs Column -> gelu -> Row (TP=2, no
 seq=13, batch=2: m=26 rows, not divisible by 3, 4 or 8. Each launch is run once per module.
 """
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,35 +12,20 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SITE = ROOT / "sitecustomize"
-SCRIPT = ROOT / "examples" / "tp_mlp.py"
+sys.path.insert(0, str(ROOT / "examples"))
+from demo import SCRIPT, SITE, clean_env, launch  # noqa: E402
+
 ROWS = 13 * 2
 CHUNK_COUNTS = [1, 2, 3, 4, 8]
-
-
-def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}
-    env.pop("PYTHONPATH", None)
-    env.update(extra)
-    return env
-
-
-def torchrun(tmp_path, name, env, *script_args, timeout=240):
-    out = tmp_path / f"{name}.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--standalone", str(SCRIPT), "--out", str(out), *script_args]
-    proc = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
-    results = [torch.load(tmp_path / f"{name}_rank{rank}.pt") for rank in range(2)] if proc.returncode == 0 else None
-    return proc, results
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("e2e")
-    launched = {"off": torchrun(tmp_path, "off", clean_env())}
+    launched = {"off": launch(tmp_path, "off", clean_env())}
     for chunks in CHUNK_COUNTS:
         extra = {"COC_LOG_LEVEL": "debug"} if chunks == 2 else {}
-        launched[chunks] = torchrun(tmp_path, f"n{chunks}", clean_env(
+        launched[chunks] = launch(tmp_path, f"n{chunks}", clean_env(
             PYTHONPATH=str(SITE), COC_PARALLEL_NUM=str(chunks), **extra))
     for name, (proc, _) in launched.items():
         assert proc.returncode == 0, f"run {name} failed:\n{proc.stderr[-4000:]}"
@@ -100,7 +83,7 @@ def test_debug_level_every_rank_and_fallback_reasons(runs):
 
 def test_bad_value_stops_training_but_not_python(tmp_path):
     env = clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="four")
-    proc, _ = torchrun(tmp_path, "bad", env)
+    proc, _ = launch(tmp_path, "bad", env)
     assert proc.returncode != 0
     assert "COC_PARALLEL_NUM='four' is invalid: expected an integer >= 1 (1 = off)" in proc.stderr
     unrelated = subprocess.run([sys.executable, "-c", "print(6 * 7)"], env=env, capture_output=True,
@@ -111,7 +94,7 @@ def test_bad_value_stops_training_but_not_python(tmp_path):
 def test_mindspeed_flags_are_honoured_and_removed(tmp_path):
     # The script's argparse would reject the MindSpeed flags: success means they were removed.
     env = clean_env(PYTHONPATH=str(SITE))
-    proc, results = torchrun(tmp_path, "mindspeed", env, "--use-ascend-coc", "--coc-parallel-num", "4")
+    proc, results = launch(tmp_path, "mindspeed", env, "--use-ascend-coc", "--coc-parallel-num", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "N=4" in proc.stderr
     assert results[0]["forward_collectives"]["all_reduce"] == 4
@@ -119,7 +102,7 @@ def test_mindspeed_flags_are_honoured_and_removed(tmp_path):
 
 def test_mindspeed_flag_disagreeing_with_env_is_an_error(tmp_path):
     env = clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="2")
-    proc, _ = torchrun(tmp_path, "disagree", env, "--use-ascend-coc", "--coc-parallel-num", "4")
+    proc, _ = launch(tmp_path, "disagree", env, "--use-ascend-coc", "--coc-parallel-num", "4")
     assert proc.returncode != 0
     assert "--coc-parallel-num 4 disagrees with COC_PARALLEL_NUM=2" in proc.stderr
 
