@@ -150,7 +150,11 @@ def test_chaining_with_our_dir_listed_twice_and_a_lone_copy(tmp_path):
     assert stderr == ""
     assert marker.read_text() == "chained\n"
     assert info["trigger"] is True
-    assert info["coc_inject"] == str(REPO / "coc_inject" / "__init__.py")  # via the chained copy
+    # The lone copy imports whatever coc_inject the interpreter finds (an installed one, if
+    # any); otherwise the chained checkout copy provides it.
+    installed = run_py("import importlib.util as u; s = u.find_spec('coc_inject'); print(s.origin if s else '')",
+                       cwd=tmp_path, pythonpath=()).stdout.strip()
+    assert info["coc_inject"] == (installed or str(REPO / "coc_inject" / "__init__.py"))
     assert info["triggers"] == 1
     assert info["path"].count(str(SITE)) == 1  # site.py de-duplicates sys.path
     assert info["path"].count(str(copy_dir)) == 1
@@ -335,6 +339,9 @@ def test_start_stop_in_process(monkeypatch):
     # Independent of whether this pytest process itself started with the bootstrap armed.
     monkeypatch.setattr(bootstrap, "_finder", None)
     monkeypatch.setattr(bootstrap, "_hook_registered", False)
+    # Other test modules may have imported Megatron already (start() would then hook at once).
+    for name in [name for name in sys.modules if name == "megatron" or name.startswith("megatron.")]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setenv("COC_PARALLEL_NUM", "4")
     monkeypatch.delenv("COC_DISABLE", raising=False)
     before = list(sys.meta_path)
