@@ -1,4 +1,4 @@
-"""``coc-inject`` / ``python -m coc_inject``: status | run | env.
+"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference.
 
 * ``status``: the resolved configuration (or every error in it), whether the bootstrap will
   run in Python processes started from this environment, the shadowed sitecustomize it
@@ -7,6 +7,7 @@
 * ``run [N|fused|off] -- CMD ...``: put the bootstrap on PYTHONPATH and exec CMD
   (like ``ddtrace-run``); the optional first word sets the toggles as ``env/coc.sh`` does.
 * ``env [N|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
+* ``reference``: the environment-variable and config-file reference as markdown tables.
 """
 
 from __future__ import annotations
@@ -155,6 +156,23 @@ def cmd_status(args) -> int:
     return 1 if errors else 0
 
 
+def reference_markdown() -> str:
+    """The README's variable and config-file tables, rendered from the config module."""
+    from coc_inject.config import ENV_REFERENCE, FILE_REFERENCE
+
+    def table(title, settings):
+        rows = [f"| {title} | default | allowed | meaning |", "|---|---|---|---|"]
+        rows += [f"| `{s.name}` | {s.default} | {s.allowed} | {s.meaning} |" for s in settings]
+        return "\n".join(rows)
+
+    return table("variable", ENV_REFERENCE) + "\n\n" + table("`COC_CONFIG` key", FILE_REFERENCE)
+
+
+def cmd_reference(args) -> int:
+    print(reference_markdown())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="coc-inject", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"coc-inject {__version__}")
@@ -166,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     env = commands.add_parser("env", help="print shell exports")
     env.add_argument("mode", nargs="?", help="N (chunk count) | fused | off")
     env.set_defaults(func=cmd_env)
+    commands.add_parser("reference", help="print the variable reference (markdown)").set_defaults(func=cmd_reference)
     return parser
 
 

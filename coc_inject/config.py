@@ -224,7 +224,8 @@ FILE_REFERENCE = (
     Setting("enable_coc_in_column_backward", _shown(_DEFAULTS.enable_coc_in_column_backward),
             "JSON true/false or " + BOOL_ALLOWED, "Also pipeline the column-parallel backward pass."),
     Setting("matmul_soc_friendly", _shown(_DEFAULTS.matmul_soc_friendly), "JSON true/false or " + BOOL_ALLOWED,
-            "Pad/align matmul shapes for the accelerator before chunking."),
+            "On Ascend NPUs: contiguous forward-matmul operands, k zero-padded to a 512-byte multiple "
+            "when k_min <= k <= k_max. No-op on CPU and CUDA."),
     Setting("customized_coc", "{}", CUSTOMIZED_ALLOWED, "Per-shape chunk counts, overriding the global one."),
     Setting("k_min", _shown(_DEFAULTS.k_min), POSITIVE_INT_ALLOWED + ", <= k_max",
             "matmul_soc_friendly pads an unaligned contraction size k only when k_min <= k <= k_max."),

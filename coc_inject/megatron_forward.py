@@ -23,6 +23,7 @@ from coc_inject.pipeline.functions import (
     MatmulWithChunkedGradAllReduce,
 )
 from coc_inject.pipeline.schedules import Schedule
+from coc_inject.pipeline.matmul import MatmulLayout
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class CocEngine:
 
     def __init__(self, config: CocConfig):
         self.config = config
+        self.layout = MatmulLayout.from_config(config)
         self.calls = 0  # CoC calls made (status / tests); fallbacks are not counted
 
     # -- helpers ---------------------------------------------------------------------------
@@ -124,7 +126,7 @@ class CocEngine:
         self._agree(group, input_parallel.device)
         function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
         output = function.apply(
-            input_parallel, layer.weight, chunks, group, layer.gradient_accumulation_fusion
+            input_parallel, layer.weight, chunks, group, layer.gradient_accumulation_fusion, self.layout
         )
         self.calls += 1
         if layer.skip_bias_add:
@@ -169,12 +171,12 @@ class CocEngine:
         self._agree(group, input_.device)
         if sequence_parallel:
             output_parallel = AllGatherMatmul.apply(
-                input_, weight, chunks, group, layer.gradient_accumulation_fusion,
+                input_, weight, chunks, group, layer.gradient_accumulation_fusion, self.layout,
                 self.config.recompute_all_gather,
             )
         else:
             output_parallel = MatmulWithChunkedGradAllReduce.apply(
-                input_, weight, chunks, group, layer.gradient_accumulation_fusion
+                input_, weight, chunks, group, layer.gradient_accumulation_fusion, self.layout
             )
         self.calls += 1
         if not layer.skip_bias_add and layer.bias is not None:

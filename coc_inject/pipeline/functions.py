@@ -18,6 +18,7 @@ import torch
 from coc_inject.pipeline import collectives
 from coc_inject.pipeline.layout import chunk_bounds
 from coc_inject.pipeline.schedules import run_comm_first, run_compute_first
+from coc_inject.pipeline.matmul import MatmulLayout, matmul_into
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -66,12 +67,13 @@ class MatmulAllReduce(torch.autograd.Function):
     """RowParallel, no SP: ``AllReduce(x @ Wᵀ)``, compute-first. Backward is local."""
 
     @staticmethod
-    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion):
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout):
         x2d = _rows(x)
         out = torch.empty(x2d.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        matmul = layout.forward_matmul(weight, x.device.type)
 
         def compute(start, stop):
-            return torch.matmul(x2d[start:stop], weight.t(), out=out[start:stop])
+            return matmul(x2d[start:stop], out=out[start:stop])
 
         def communicate(start, stop, computed):
             return collectives.all_reduce_async(computed, group)
@@ -87,7 +89,7 @@ class MatmulAllReduce(torch.autograd.Function):
         grad2d = _rows(grad_output)
         grad_input = grad2d.matmul(weight).view(x.shape)
         grad_weight = ctx.wgrad.compute(weight, grad2d, _rows(x))
-        return grad_input, grad_weight, None, None, None
+        return grad_input, grad_weight, None, None, None, None
 
 
 class MatmulReduceScatter(torch.autograd.Function):
@@ -98,16 +100,17 @@ class MatmulReduceScatter(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion):
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout):
         tp_size = group.size()
         x_blocks = _rank_blocks(_rows(x), tp_size)
         block_rows = x_blocks.shape[1]
         n = weight.shape[0]
         out = torch.empty(block_rows, n, dtype=x.dtype, device=x.device)
+        matmul = layout.forward_matmul(weight, x.device.type)
 
         def compute(start, stop):
             # [TP, c, k] strided view in, contiguous [TP, c, n] out: rank-major, as RS wants.
-            return torch.matmul(x_blocks[:, start:stop], weight.t())
+            return matmul(x_blocks[:, start:stop])
 
         def communicate(start, stop, computed):
             return collectives.reduce_scatter_async(out[start:stop], _rows(computed), group)
@@ -137,11 +140,11 @@ class MatmulReduceScatter(torch.autograd.Function):
             return collectives.all_gather_async(slots, grad_shard[start:stop].contiguous(), group)
 
         def compute(start, stop):
-            torch.matmul(grad_blocks[:, start:stop], weight, out=dgrad_blocks[:, start:stop])
+            matmul_into(grad_blocks[:, start:stop], weight, dgrad_blocks[:, start:stop])
 
         run_comm_first(chunk_bounds(block_rows, ctx.chunks), communicate, compute)
         grad_weight = ctx.wgrad.compute(weight, grad_full, _rows(x))
-        return grad_input, grad_weight, None, None, None
+        return grad_input, grad_weight, None, None, None, None
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -153,7 +156,8 @@ class AllGatherMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, recompute_all_gather):
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout,
+                recompute_all_gather):
         tp_size = group.size()
         x_shard = _rows(x)
         block_rows = x_shard.shape[0]
@@ -162,13 +166,14 @@ class AllGatherMatmul(torch.autograd.Function):
         gathered_blocks = _rank_blocks(gathered, tp_size)
         out = torch.empty(tp_size * block_rows, n, dtype=x.dtype, device=x.device)
         out_blocks = _rank_blocks(out, tp_size)
+        matmul = layout.forward_matmul(weight, x.device.type)
 
         def communicate(start, stop):
             slots = list(gathered_blocks[:, start:stop].unbind(0))
             return collectives.all_gather_async(slots, x_shard[start:stop].contiguous(), group)
 
         def compute(start, stop):
-            torch.matmul(gathered_blocks[:, start:stop], weight.t(), out=out_blocks[:, start:stop])
+            matmul(gathered_blocks[:, start:stop], out=out_blocks[:, start:stop])
 
         run_comm_first(chunk_bounds(block_rows, chunks), communicate, compute)
         wgrad = WeightGrad(weight, gradient_accumulation_fusion)
@@ -211,7 +216,7 @@ class AllGatherMatmul(torch.autograd.Function):
         run_compute_first(
             chunk_bounds(block_rows, ctx.chunks), compute, communicate, weight_grad_while_scattering
         )
-        return grad_input, grad_weight, None, None, None, None
+        return grad_input, grad_weight, None, None, None, None, None
 
 
 class MatmulWithChunkedGradAllReduce(torch.autograd.Function):
@@ -220,11 +225,11 @@ class MatmulWithChunkedGradAllReduce(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion):
+    def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout):
         ctx.save_for_backward(x, weight)
         ctx.chunks, ctx.group = chunks, group
         ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
-        return torch.matmul(x, weight.t())
+        return layout.forward_matmul(weight, x.device.type)(x)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -235,7 +240,7 @@ class MatmulWithChunkedGradAllReduce(torch.autograd.Function):
         grad_weight = None
 
         def compute(start, stop):
-            return torch.matmul(grad2d[start:stop], weight, out=grad_input_rows[start:stop])
+            return matmul_into(grad2d[start:stop], weight, grad_input_rows[start:stop])
 
         def communicate(start, stop, computed):
             return collectives.all_reduce_async(computed, ctx.group)
@@ -247,4 +252,4 @@ class MatmulWithChunkedGradAllReduce(torch.autograd.Function):
         run_compute_first(
             chunk_bounds(grad2d.shape[0], ctx.chunks), compute, communicate, weight_grad_while_reducing
         )
-        return grad_input, grad_weight, None, None, None
+        return grad_input, grad_weight, None, None, None, None
