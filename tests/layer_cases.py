@@ -55,7 +55,7 @@ def tp_rank_size():
 
 
 def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, ffn, seed=1234,
-                gather_output=False, tp_group=None, is_expert=False, frozen=False):
+                gather_output=False, tp_group=None, is_expert=False, frozen=False, input_is_parallel=True):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -68,7 +68,7 @@ def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, 
     init = torch.nn.init.xavier_normal_
     if kind == "row":
         layer = RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=bias,
-                                  input_is_parallel=True, skip_bias_add=skip_bias_add,
+                                  input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
                                   tp_group=tp_group, is_expert=is_expert)
     else:
         layer = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=bias,
@@ -83,7 +83,9 @@ def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, 
 
 def make_input(kind, layer, *, sequence_parallel, seq, batch, dtype, seed=99):
     rank, tp = layer.tp_group.rank(), layer.tp_group.size()
-    if kind == "row":
+    if kind == "row" and not layer.input_is_parallel:  # full activations, replicated
+        rows, width, same_on_all_ranks = seq, layer.input_size, True
+    elif kind == "row":
         rows, width, same_on_all_ranks = seq, layer.input_size_per_partition, False
     else:
         width = layer.input_size

@@ -64,6 +64,16 @@ def test_column_gather_output(pool2, gather):
         assert result["coc_counts"][0] == {"all_gather_into_tensor": 1}  # the output gather
 
 
+def test_row_scatters_a_non_parallel_input(pool2):
+    results = pool2.run("layer_cases:compare", kind="row", chunks=3, seq=14,
+                        layer_options={"input_is_parallel": False})
+    for result in results:
+        assert result["coc_calls"] == 1 and max(result["errors"].values()) <= 1e-5
+        # Megatron's scatter of the input is kept (its backward all-gathers the input grad).
+        assert result["reference_counts"] == ({"all_reduce": 1}, {"all_gather_into_tensor": 1})
+        assert result["coc_counts"] == ({"all_reduce": 3}, {"all_gather_into_tensor": 1})
+
+
 @pytest.mark.parametrize("kind,sp,options", CASES, ids=CASE_IDS)
 def test_frozen_weight(pool2, kind, sp, options):
     results = pool2.run("layer_cases:compare", kind=kind, chunks=3, sequence_parallel=sp, seq=14,
