@@ -28,7 +28,7 @@ test-oldest: $(VENV_OLDEST)/.installed
 	$(VENV_OLDEST)/bin/python -m pytest $(LAYER_SUITES)
 
 bench-startup: $(VENV)/.installed
-	$(VENV)/bin/python benchmarks/startup.py
+	$(VENV)/bin/python -m coc_inject.bench.startup
 
 # venv + pinned torch + megatron-core + this package (a regular, non-editable install:
 # setuptools' editable finder would add ~20 ms to every interpreter start in the venv).

@@ -10,10 +10,15 @@ Both return only once every collective has completed.
 
 from __future__ import annotations
 
+import threading
+import time
 from enum import Enum
 from typing import Callable, Sequence
 
 from coc_inject.pipeline.collectives import wait_all
+
+# Set by the benchmark's timeline recorder only (see coc_inject.bench); None in normal runs.
+tracer = None
 
 
 class Schedule(Enum):
@@ -31,6 +36,8 @@ def run_compute_first(
 
     ``overlap`` (optional) is extra local work run while the last collectives are in flight.
     """
+    if tracer is not None:
+        compute, communicate = tracer.wrap(compute, communicate)
     handles = []
     for start, stop in bounds:
         handles.append(communicate(start, stop, compute(start, stop)))
@@ -45,6 +52,8 @@ def run_comm_first(
     compute: Callable[[int, int], None],
 ) -> None:
     """Start ``communicate`` for chunk i+1, wait for chunk i's, then ``compute`` chunk i."""
+    if tracer is not None:
+        compute, communicate = tracer.wrap(compute, communicate)
     pending = communicate(*bounds[0])
     for index, (start, stop) in enumerate(bounds):
         ready = pending
@@ -53,3 +62,46 @@ def run_comm_first(
         wait_all([ready])
         compute(start, stop)
 
+
+
+class TimelineTracer:
+    """Records when each chunk's matmul ran and when its collective was issued and completed.
+
+    Host clock (``time.perf_counter``); completion comes from the work's future callback, so
+    it is when the backend finished, not when the schedule got round to waiting. On GPUs the
+    host times show launches, not kernel execution.
+    """
+
+    def __init__(self):
+        # (kind, chunk start row, t_begin, t_end); kind: "compute", "launch" (host time to
+        # start the collective), "comm" (issued -> completed)
+        self.events = []
+
+    def wrap(self, compute, communicate):
+        events = self.events
+
+        def traced_compute(start, stop, *rest):
+            begin = time.perf_counter()
+            result = compute(start, stop, *rest)
+            events.append(("compute", start, begin, time.perf_counter()))
+            return result
+
+        def traced_communicate(start, stop, *rest):
+            begin = time.perf_counter()
+            handle = communicate(start, stop, *rest)
+            events.append(("launch", start, begin, time.perf_counter()))
+            record = ["comm", start, begin, None]
+            events.append(record)
+            try:
+                handle.get_future().add_done_callback(lambda _: record.__setitem__(3, time.perf_counter()))
+            except (AttributeError, RuntimeError):  # e.g. gloo reduce-scatter has no future: poll
+                threading.Thread(target=_poll_completion, args=(handle, record), daemon=True).start()
+            return handle
+
+        return traced_compute, traced_communicate
+
+
+def _poll_completion(handle, record) -> None:
+    while not handle.is_completed():
+        time.sleep(0.0002)
+    record[3] = time.perf_counter()

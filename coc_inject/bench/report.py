@@ -1,0 +1,113 @@
+"""Bench figures from raw per-repetition times: medians, ratios, ideal, efficiency; table, JSON, PNG."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def _median_ms(samples):
+    return 1e3 * statistics.median(samples)
+
+
+def _median_ratio(reference, samples):
+    return statistics.median(r / t for r, t in zip(reference, samples))
+
+
+def summarize_case(result: dict) -> dict:
+    """Figures for one case. Ratios are medians of per-repetition Megatron/variant ratios.
+
+    Pipelining ideal for N chunks with compute C and communication M (forward, measured alone):
+    ``max(C, M) + min(C, M)/N``; the ideal *saving* against Megatron's measured time is
+    ``min(C, M) * (1 - 1/N)``, and overlap efficiency is the fraction of it achieved:
+    ``(t_megatron - t_N) / ideal saving``.
+    """
+    times = result["times"]
+    compute = _median_ms(times["compute-only"]["forward"])
+    comm = _median_ms(times["comm-only"]["forward"])
+    megatron = times["megatron"]
+    megatron_total = [f + b for f, b in zip(megatron["forward"], megatron["backward"])]
+    megatron_fwd_ms = _median_ms(megatron["forward"])
+    variants = {}
+    for name, samples in times.items():
+        if name in ("compute-only", "comm-only"):
+            continue
+        total = [f + b for f, b in zip(samples["forward"], samples["backward"])]
+        row = {"forward_ms": _median_ms(samples["forward"]), "fwd_bwd_ms": _median_ms(total)}
+        if name != "megatron":
+            chunks = int(name.split("=")[1])
+            row["forward_speedup"] = _median_ratio(megatron["forward"], samples["forward"])
+            row["fwd_bwd_speedup"] = _median_ratio(megatron_total, total)
+            saving = min(compute, comm) * (1 - 1 / chunks)
+            row["ideal_ms"] = max(compute, comm) + min(compute, comm) / chunks
+            row["ideal_speedup"] = megatron_fwd_ms / (megatron_fwd_ms - saving) if saving else 1.0
+            row["efficiency"] = (megatron_fwd_ms - row["forward_ms"]) / saving if saving > 0 else None
+        variants[name] = row
+    return {"label": result["label"], "compute_ms": compute, "comm_ms": comm, "variants": variants}
+
+
+def summarize(results: list) -> dict:
+    return {result["case"]: summarize_case(result) for result in results}
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"{'case':<22} {'variant':<9} {'fwd ms':>8} {'fwd x':>6} {'ideal ms':>9} {'eff':>5} "
+             f"{'fwd+bwd ms':>10} {'f+b x':>6}"]
+    for case in summary.values():
+        lines.append(f"{case['label']:<22} compute-only {case['compute_ms']:.1f} ms, comm-only {case['comm_ms']:.1f} ms")
+        for name, row in case["variants"].items():
+            def fmt(key, spec):
+                value = row.get(key)
+                return "-" if value is None else format(value, spec)
+            lines.append(f"{'':<22} {name:<9} {row['forward_ms']:8.1f} {fmt('forward_speedup', '.2f'):>6} "
+                         f"{fmt('ideal_ms', '.1f'):>9} {fmt('efficiency', '.0%'):>5} "
+                         f"{row['fwd_bwd_ms']:10.1f} {fmt('fwd_bwd_speedup', '.2f'):>6}")
+    lines.append("x: median over repetitions of Megatron time / variant time (> 1: faster). ideal: "
+                 "max(C,M)+min(C,M)/N. eff: achieved / ideal saving.")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def write_png(path: Path, summary: dict, results: list, title: str) -> str | None:
+    """Speedup vs N per case, and a timeline of one CoC call. Returns why not, if it can't."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'coc-inject[bench]'): no PNG written"
+    figure, (speed, lanes) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, case in summary.items():
+        points = sorted((int(v.split("=")[1]), row) for v, row in case["variants"].items() if v != "megatron")
+        xs = [n for n, _ in points]
+        line, = speed.plot(xs, [row["forward_speedup"] for _, row in points], "o-", label=f"{case['label']} fwd")
+        speed.plot(xs, [row["fwd_bwd_speedup"] for _, row in points], "s--", color=line.get_color(),
+                   label=f"{case['label']} fwd+bwd")
+        speed.plot(xs, [row["ideal_speedup"] for _, row in points], ":", color=line.get_color(), alpha=0.6)
+    speed.axhline(1.0, color="grey", linewidth=0.8)
+    speed.set_xscale("log", base=2)
+    speed.set_xlabel("chunks N")
+    speed.set_ylabel("speedup vs unpatched Megatron (median of ratios)")
+    speed.set_title("speedup (dotted: pipelining ideal)")
+    speed.legend(fontsize=7)
+    first = results[0]
+    events = first["timeline"]
+    starts = sorted({start for _, start, _, _ in events})
+    for kind, start, t0, t1 in events:
+        lane = 1 if kind == "compute" else 0
+        lanes.broken_barh([(t0, max(t1 - t0, 0.05))], (lane - 0.35, 0.7),
+                          color=f"C{starts.index(start) % 10}", alpha=0.85)
+        lanes.text((t0 + t1) / 2, lane, str(starts.index(start)), ha="center", va="center", fontsize=7)
+    lanes.set_yticks([0, 1], ["communication", "matmul"])
+    lanes.set_xlabel("ms since the call began (host clock, rank 0)")
+    lanes.set_title(f"one {first['label']} forward, {len(starts)} chunks")
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return None

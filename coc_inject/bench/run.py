@@ -1,0 +1,207 @@
+"""``coc-inject bench``: unpatched Megatron vs CoC through the real layers, in one run.
+
+Where it runs:
+* default: 2 local CPU ranks (gloo) over plain loopback;
+* ``--link 1gbit``: the 2 ranks in two network namespaces joined by a rate-limited veth pair,
+  each pinned to its own core (root; see coc_inject.bench.link);
+* under ``torchrun`` (RANK/WORLD_SIZE set): every rank of the job on its device (CUDA/NPU,
+  NCCL/HCCL), timed with device events.
+
+Writes a table to stdout, ``bench.json`` (raw per-repetition times and the figures) and
+``bench.png`` (speedup vs N per case, timeline of one call) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+TARGETS = ("speedup >= 1.35 at the best N and >= 90% of the ideal saving (Row AR, emulated 1 gbit); "
+           ">= 90% of the ideal saving (SP cases); host overhead <= 15 us per chunk")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from coc_inject.bench.layers import CASES, DEFAULT_CASES
+
+    parser = argparse.ArgumentParser(prog="coc-inject bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--link", metavar="RATE", help="emulate a link of this rate between the 2 ranks, "
+                        "e.g. 1gbit (root only)")
+    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=list(CASES))
+    parser.add_argument("--chunks", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--shape", nargs=3, type=int, default=[4096, 1024, 1024], metavar=("M", "K", "N"),
+                        help="per-rank forward matmul [M, K] x [K, N] (M: all rows of the sequence)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--startup-reps", type=int, default=40,
+                        help="repetitions of the bootstrap start-up measurement (0: skip)")
+    return parser
+
+
+def run_rank(args, device, link=None) -> dict | None:
+    """Everything one rank measures; rank 0 returns the results."""
+    import torch
+    import torch.distributed as dist
+
+    from coc_inject.bench import layers
+
+    dtype = getattr(torch, args.dtype)
+    m, k, n = args.shape
+    results = [layers.measure_case(layers.CASES[name], m=m, k=k, n=n, dtype=dtype, device=device,
+                                   chunks=args.chunks, reps=args.reps) for name in args.cases]
+    layers.progress("host overhead per chunk (tiny shapes)")
+    overhead = layers.host_overhead_per_chunk(device, dtype)
+    if dist.get_rank() != 0:
+        return None
+    sys.stderr.write("\n")
+    return {"results": results, "host_overhead": overhead}
+
+
+def _local_rank(rank, world, port, args, namespaces, queue):
+    from coc_inject.bench import link as link_module
+
+    if namespaces:
+        link_module.enter(namespaces[rank], core=rank)
+        os.environ["GLOO_SOCKET_IFNAME"] = link_module.INTERFACE
+        address = f"{link_module.SUBNET}.1"
+    else:
+        address = "127.0.0.1"
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    # Megatron allocates its SP buffers with torch.cuda.current_device(); these ranks are CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        queue.put(("ok", run_rank(args, torch.device("cpu"))))
+    except BaseException as error:  # report, don't hang the parent
+        import traceback
+
+        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
+        raise SystemExit(1) from error
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(args) -> dict:
+    import torch.multiprocessing as mp
+
+    from coc_inject.bench.link import EmulatedLink
+
+    for key in [k for k in os.environ if k.startswith(("COC_", "USE_COC_"))]:
+        del os.environ[key]  # the bench installs each variant itself
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+
+    def launch(namespaces):
+        port = 29500 + os.getpid() % 1000
+        if not namespaces:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+        procs = [context.Process(target=_local_rank, args=(r, 2, port, args, namespaces, queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        answers = [queue.get() for _ in procs]
+        for proc in procs:
+            proc.join()
+        errors = [value for status, value in answers if status == "error"]
+        if errors:
+            raise SystemExit("coc-inject bench failed:\n" + "\n".join(errors))
+        return next(value for _, value in answers if value is not None)
+
+    if args.link:
+        with EmulatedLink(args.link) as link:
+            return launch(link.names)
+    return launch(None)
+
+
+def run_torchrun(args) -> dict | None:
+    """Under torchrun: this process is one rank of the job, on its accelerator."""
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    elif os.environ.get("COC_BENCH_DEVICE") == "npu":
+        import torch_npu  # noqa: F401  (only when asked: it needs the Ascend CANN libraries)
+
+        device, backend = torch.device("npu", local_rank), "hccl"
+        torch.npu.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.cuda.current_device = lambda: torch.device("cpu")
+    dist.init_process_group(backend)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    try:
+        return run_rank(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def describe_where(args) -> str:
+    if "RANK" in os.environ:
+        return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks"
+    where = f"emulated {args.link} link (netns + veth + tbf), ranks pinned to cores" if args.link else "plain loopback"
+    return f"2 local CPU ranks (gloo), {where}, {args.threads} thread(s)/rank, {platform.node()}"
+
+
+def main(argv=None) -> int:
+    from coc_inject.bench import report
+    from coc_inject.bench.link import EmulatedLink, LinkError
+
+    args = build_parser().parse_args(argv)
+    if args.link and "RANK" not in os.environ:
+        try:
+            EmulatedLink.check_available()
+        except LinkError as error:
+            print(f"coc-inject bench: {error}", file=sys.stderr)
+            return 2
+    started = time.time()
+    measured = run_torchrun(args) if "RANK" in os.environ else run_local(args)
+    if measured is None:
+        return 0  # not rank 0 of a torchrun job
+    summary = report.summarize(measured["results"])
+    m, k, n = args.shape
+    title = (f"coc-inject bench: {describe_where(args)}; [M,K]x[K,N] = [{m},{k}]x[{k},{n}] {args.dtype}, "
+             f"{args.reps} interleaved repetitions")
+    print(title)
+    print(report.format_table(summary))
+    overhead = measured["host_overhead"]
+    print(f"host overhead per chunk (tiny shapes): coc-inject pipeline {overhead['pipeline_us']:.1f} us + "
+          f"backend collective launch {overhead['collective_launch_us']:.1f} us = {overhead['total_us']:.1f} us")
+    startup = None
+    if args.startup_reps and "RANK" not in os.environ:
+        from coc_inject.bench import startup as startup_module
+
+        wall, cpu = startup_module.measure(sys.executable, args.startup_reps)
+        startup = startup_module.summarize(wall, cpu, sys.executable)
+        print(f"bootstrap start-up cost (python -c pass, {args.startup_reps} reps): "
+              f"off {startup['median_delta_vs_bare_ms']['off']:+.2f} ms, on {startup['median_delta_vs_bare_ms']['on']:+.2f} ms")
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload = {"title": title, "argv": sys.argv, "targets": TARGETS, "seconds": time.time() - started,
+               "summary": summary, "host_overhead": overhead, "startup": startup,
+               "raw": measured["results"]}
+    report.write_json(args.out / "bench.json", payload)
+    problem = report.write_png(args.out / "bench.png", summary, measured["results"], title)
+    print(f"wrote {args.out / 'bench.json'}" + (f"; {problem}" if problem else f" and {args.out / 'bench.png'}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Pretrain a tiny Megatron-core GPT with tensor parallelism on CPU. Knows nothing of CoC.
+
+    torchrun --nproc-per-node 2 examples/pretrain_tiny_gpt.py --steps 30 --json /tmp/run.json
+
+An ordinary (if small) Megatron-core training loop: ``GPTModel`` built from the local layer
+spec, tensor-parallel size = world size, sequence parallelism on (``--no-sequence-parallel``
+turns it off), pipeline parallelism 1, gloo on CPU. Each step draws a batch of synthetic
+tokens from a fixed seed (the same batch on every tensor-parallel rank), takes the model's
+per-token cross-entropy (a masked mean), back-propagates, all-reduces the gradients of the
+sequence-parallel parameters over the tensor-parallel group (what Megatron's
+``finalize_model_grads`` does) and steps ``torch.optim.Adam``. Dropout is 0, so two runs give
+the same losses bit for bit.
+
+Rank 0 prints one line per step and a summary; ``--json PATH`` also writes the losses and step
+times there.
+
+Megatron-core assumes CUDA. The few ``CPU shim`` blocks below let it run on a CPU-only
+machine; they are part of this example's platform setup only.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+# Megatron is imported before the arguments are parsed, as in Megatron's own pretrain scripts.
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# CPU shim 1: Megatron allocates sequence-parallel buffers (the all-gather / reduce-scatter
+# outputs in tensor_parallel.mappings and .layers, utils.GlobalMemoryBuffer) and the rotary
+# embedding's frequencies on `torch.cuda.current_device()`. Without CUDA, point that at the
+# CPU. Megatron looks the function up at each call, so setting it here, after the import, works.
+if not torch.cuda.is_available():
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+class CpuLayerNorm(torch.nn.LayerNorm):
+    """CPU shim 2: a LayerNorm with Megatron's norm interface that supports sequence parallelism.
+
+    The local spec's norm is apex's FusedLayerNorm (a CUDA kernel). Without apex Megatron falls
+    back to a plain torch LayerNorm that refuses ``sequence_parallel``, because it does not flag
+    its parameters for the gradient all-reduce. This one flags them like FusedLayerNorm does
+    (``param.sequence_parallel``), and the training loop all-reduces those gradients.
+    """
+
+    def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+                 zero_centered_gamma=False, normalization="LayerNorm"):
+        assert config.normalization == "LayerNorm", config.normalization
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = config.sequence_parallel
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--ffn-hidden-size", type=int, default=1024)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                        default="learned_absolute")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                        help="turn sequence parallelism off (it is on by default)")
+    parser.add_argument("--json", metavar="PATH", help="rank 0 writes losses and step times here")
+    return parser.parse_args()
+
+
+def build_model(args, tp_size):
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=1,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        # Nothing that needs CUDA, apex or Transformer Engine:
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+        # No dropout: deterministic runs.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    layer_spec = get_gpt_layer_local_spec()
+    layer_spec.submodules.input_layernorm = CpuLayerNorm
+    layer_spec.submodules.pre_mlp_layernorm = CpuLayerNorm
+    block_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * args.num_layers,
+                                            layer_norm=CpuLayerNorm)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec,
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type=args.position_embedding_type,
+    )
+
+
+def synthetic_batch(args, step):
+    """Token sequences from a fixed random bigram table (90% follow it, 10% random tokens).
+
+    Seeded by (seed, step) only, so every rank draws the same batch; the table makes the data
+    learnable, so the loss falls below log(vocab).
+    """
+    table = torch.randperm(args.vocab_size, generator=torch.Generator().manual_seed(args.seed))
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    b, s = args.micro_batch_size, args.seq_length
+    tokens = torch.empty(b, s + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(args.vocab_size, (b,), generator=gen)
+    noise = torch.randint(args.vocab_size, (b, s), generator=gen)
+    follow = torch.rand(b, s, generator=gen) < 0.9
+    for t in range(s):
+        tokens[:, t + 1] = torch.where(follow[:, t], table[tokens[:, t]], noise[:, t])
+    loss_mask = torch.ones(b, s)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), loss_mask
+
+
+def main():
+    args = parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size,
+                                             pipeline_model_parallel_size=1)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    if args.sequence_parallel and args.seq_length % world_size:
+        raise SystemExit(f"--seq-length {args.seq_length} must be divisible by TP {world_size}")
+
+    # Seeding: the same torch seed on every rank, so the CPU-initialised master weights (of which
+    # each rank keeps its own shard) agree. Megatron's model_parallel_cuda_manual_seed seeds CUDA
+    # generators.
+    # CPU shim 3: Megatron forks its "CUDA RNG tracker" around the sequence-parallel part of the
+    # transformer block (and around dropout); the regular tracker reads and sets CUDA generator
+    # state. The tracker only matters for dropout, which is 0 here, so use Megatron's no-op
+    # tracker (fork() is a nullcontext).
+    torch.manual_seed(args.seed)
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+    model = build_model(args, world_size)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+
+    s = args.seq_length
+    position_ids = torch.arange(s).unsqueeze(0).expand(args.micro_batch_size, s)
+    attention_mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True = masked
+
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"tiny GPT: TP {world_size}, sequence parallel {args.sequence_parallel}, "
+              f"{args.num_layers} layers, hidden {args.hidden_size}, seq {s}, micro batch "
+              f"{args.micro_batch_size}, vocab {args.vocab_size}, {n_params} parameters per rank",
+              flush=True)
+
+    losses, step_times = [], []
+    run_start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        tokens, labels, loss_mask = synthetic_batch(args, step)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        per_token_loss = model(tokens, position_ids, attention_mask, labels=labels)  # [b, s]
+        loss = (per_token_loss * loss_mask).sum() / loss_mask.sum()
+        loss.backward()
+        # Each rank holds the gradient of its own sequence shard for the replicated
+        # sequence-parallel parameters (layer norms): sum them over the tensor-parallel group.
+        for param in sp_params:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=tp_group)
+        optimizer.step()
+        step_times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        if rank == 0:
+            print(f"step {step:>2} | loss {losses[-1]:.9f} | step time "
+                  f"{step_times[-1] * 1e3:.1f} ms", flush=True)
+    wall = time.perf_counter() - run_start
+
+    if rank == 0:
+        later = step_times[1:] or step_times
+        print(f"done: {args.steps} steps | loss {losses[0]:.6f} -> {losses[-1]:.6f} | "
+              f"median step time {statistics.median(later) * 1e3:.1f} ms (after step 1) | "
+              f"loop {wall:.2f} s", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"losses": losses, "step_times": step_times, "world_size": world_size,
+                           "sequence_parallel": args.sequence_parallel, "args": vars(args)},
+                          f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
