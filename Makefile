@@ -35,7 +35,7 @@ bench-startup: $(VENV)/.installed
 define make_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
-	$(1)/bin/python -m pip install -q --disable-pip-version-check $(2) ".[test]"
+	$(1)/bin/python -m pip install -q --disable-pip-version-check $(2) ".[test,bench]"
 	rm -rf build coc_inject.egg-info
 	touch $(1)/.installed
 endef

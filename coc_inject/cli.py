@@ -1,4 +1,4 @@
-"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference.
+"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference | bench.
 
 * ``status``: the resolved configuration (or every error in it), whether the bootstrap will
   run in Python processes started from this environment, the shadowed sitecustomize it
@@ -8,6 +8,7 @@
   (like ``ddtrace-run``); the optional first word sets the toggles as ``env/coc.sh`` does.
 * ``env [N|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
 * ``reference``: the environment-variable and config-file reference as markdown tables.
+* ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
 """
 
 from __future__ import annotations
@@ -185,9 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("mode", nargs="?", help="N (chunk count) | fused | off")
     env.set_defaults(func=cmd_env)
     commands.add_parser("reference", help="print the variable reference (markdown)").set_defaults(func=cmd_reference)
+    # Parsed by coc_inject.bench.run itself (see main()); listed here for --help.
+    commands.add_parser("bench", help="benchmark CoC vs unpatched Megatron (coc-inject bench -h)")
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from coc_inject.bench.run import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
