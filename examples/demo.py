@@ -1,73 +1,80 @@
-"""`make demo`: run the unmodified examples/tp_mlp.py under torchrun with CoC off, then on.
+"""`make demo`: the main job. An unmodified tiny Megatron-core GPT pretraining script
+(examples/pretrain_tiny_gpt.py: TP=2, sequence parallel, CPU + gloo) runs twice under torchrun:
+CoC off, then CoC on through environment variables only. Prints the banner, the step losses side
+by side (equal within 1e-5) and the step times.
 
-CoC is switched on only through the environment (bootstrap on PYTHONPATH + COC_PARALLEL_NUM),
-exactly as a user would. Prints the banner, the collectives each run issued and the largest
-difference of every output and gradient between the two runs.
+    python examples/demo.py [--steps 30] [--chunks 4] [--link 1gbit]
+
+``--link RATE`` (root) runs the two ranks as two single-rank "nodes" in network namespaces
+joined by a rate-limited link (coc_inject.bench.link) to show the step-time gain CoC gives when
+the interconnect, not the CPU, is the bottleneck.
 """
 
-import os
-import subprocess
+import argparse
+import contextlib
+import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
+from launch import ROOT, clean_env, coc_env, torchrun
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "examples" / "tp_mlp.py"
-SITE = ROOT / "sitecustomize"
-RANKS = 2
-
-
-def clean_env(**extra):
-    """This environment without any CoC settings or PYTHONPATH, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}
-    env.pop("PYTHONPATH", None)
-    env.update(extra)
-    return env
+sys.path.insert(0, str(ROOT))
+SCRIPT = ROOT / "examples" / "pretrain_tiny_gpt.py"
+LOSS_BOUND = 1e-5
 
 
-def launch(workdir, name, env, *script_args, timeout=300):
-    """torchrun the example on RANKS CPU ranks; returns (CompletedProcess, per-rank results or None)."""
-    out = Path(workdir) / f"{name}.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-               "--standalone", str(SCRIPT), "--out", str(out), *script_args]
-    proc = subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
+def run(label, env, workdir, steps, link, extra_args):
+    print(f"== {label}", flush=True)
+    out = Path(workdir) / f"{label.split()[1]}.json"
+    proc = torchrun(SCRIPT, ["--steps", str(steps), "--json", str(out), *extra_args], env, workdir, link)
     if proc.returncode != 0:
-        return proc, None
-    return proc, [torch.load(Path(workdir) / f"{name}_rank{rank}.pt") for rank in range(RANKS)]
+        print(proc.stderr[-5000:], file=sys.stderr)
+        raise SystemExit(f"demo: the {label} run failed (exit {proc.returncode})")
+    for line in proc.stderr.splitlines():
+        if line.startswith("[coc-inject"):
+            print("  ", line)
+    return json.loads(out.read_text())
 
 
-def main(chunks: int = 4) -> int:
-    with tempfile.TemporaryDirectory() as workdir:
-        runs = {}
-        for label, env in (("CoC off", clean_env()),
-                           (f"CoC on (COC_PARALLEL_NUM={chunks})",
-                            clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM=str(chunks)))):
-            print(f"== {label}: torchrun --nproc-per-node {RANKS} examples/tp_mlp.py", flush=True)
-            proc, results = launch(workdir, label.split()[1].strip("(,"), env)
-            if results is None:
-                print(proc.stderr[-4000:], file=sys.stderr)
-                return 1
-            for line in proc.stderr.splitlines():
-                if line.startswith("[coc-inject"):
-                    print("   ", line)
-            print(f"    rank 0 collectives: forward {results[0]['forward_collectives']}, "
-                  f"backward {results[0]['backward_collectives']}")
-            if "all_gather" in results[0]["forward_collectives"]:
-                print("    (all_reduce: one per chunk of the Row layer; all_gather: the one-time "
-                      "cross-rank config check)")
-            runs[label] = results
-        off, on = runs.values()
-        print("== max |difference| CoC on vs off (fp32)")
-        worst = 0.0
-        for key in off[0]:
-            if torch.is_tensor(off[0][key]):
-                delta = max((on[r][key] - off[r][key]).abs().max().item() for r in range(RANKS))
-                worst = max(worst, delta)
-                print(f"    {key:<18} {delta:.3e}")
-        print(f"== {'EQUAL' if worst <= 1e-5 else 'DIFFERENT'} within 1e-5 (worst {worst:.3e})")
-        return 0 if worst <= 1e-5 else 1
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--chunks", type=int, default=4, help="COC_PARALLEL_NUM of the CoC run")
+    parser.add_argument("--link", metavar="RATE", help="emulate this link rate between the ranks (root)")
+    parser.add_argument("script_args", nargs="*", help="extra arguments for the training script")
+    args = parser.parse_args(argv)
+
+    link_context = contextlib.nullcontext()
+    if args.link:
+        from coc_inject.bench.link import EmulatedLink, LinkError
+
+        try:
+            EmulatedLink.check_available()
+        except LinkError as error:
+            raise SystemExit(f"demo: {error}") from None
+        link_context = EmulatedLink(args.link)
+    with tempfile.TemporaryDirectory() as workdir, link_context as link:
+        where = f"emulated {args.link} link" if args.link else "loopback"
+        off = run(f"CoC off: torchrun, 2 ranks, {where}", clean_env(), workdir, args.steps, link, args.script_args)
+        on = run(f"CoC on: COC_PARALLEL_NUM={args.chunks}, same command", coc_env(args.chunks), workdir,
+                 args.steps, link, args.script_args)
+
+    print(f"\n{'step':>4}  {'loss, CoC off':>16}  {'loss, CoC on':>16}  {'|diff|':>9}  {'ms off':>8}  {'ms on':>8}")
+    worst = 0.0
+    for step, (a, b, ta, tb) in enumerate(zip(off["losses"], on["losses"], off["step_times"], on["step_times"])):
+        worst = max(worst, abs(a - b))
+        print(f"{step:>4}  {a:16.9f}  {b:16.9f}  {abs(a - b):9.2e}  {1e3 * ta:8.1f}  {1e3 * tb:8.1f}")
+    # Step 0 includes warm-up; compare the steady state.
+    median_off = statistics.median(off["step_times"][1:])
+    median_on = statistics.median(on["step_times"][1:])
+    ratios = statistics.median(a / b for a, b in zip(off["step_times"][1:], on["step_times"][1:]))
+    print(f"\nmedian step time (steps 1..{args.steps - 1}): CoC off {1e3 * median_off:.1f} ms, "
+          f"CoC on {1e3 * median_on:.1f} ms; median per-step ratio off/on {ratios:.3f}")
+    equal = worst <= LOSS_BOUND
+    print(f"losses {'EQUAL' if equal else 'DIFFERENT'} within {LOSS_BOUND:g} (max |diff| {worst:.2e})")
+    return 0 if equal else 1
 
 
 if __name__ == "__main__":

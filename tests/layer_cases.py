@@ -360,3 +360,31 @@ def compiled_call(kind, *, chunks, sequence_parallel, backend="eager"):
         torch._dynamo.reset()
     return {"calls": calls, "forward_counts": forward_counts, "backward_counts": backward_counts,
             "errors": {name: relative_error(coc[name], reference[name]) for name in reference}}
+
+
+def output_modified_in_place(kind, *, chunks, sequence_parallel):
+    """Megatron code edits layer outputs in place (vocab-parallel cross-entropy subtracts the
+    max from the logits): a CoC output must allow that, as Megatron's own output does."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    patching.uninstall()
+    layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=False, skip_bias_add=False,
+                        dtype="float32", hidden=32, ffn=64)
+    x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=16, batch=2, dtype="float32")
+
+    def run():
+        inp = x.clone().requires_grad_(True)
+        output, _ = layer(inp)
+        output -= output.detach().max()  # in place, like cross_entropy.py
+        output.backward(grad_for(output))
+        return output.detach(), inp.grad
+
+    reference = run()
+    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
+    try:
+        coc = run()
+        calls = patching.engine().calls
+    finally:
+        patching.uninstall()
+    return {"calls": calls, "errors": [relative_error(a, b) for a, b in zip(coc, reference)]}

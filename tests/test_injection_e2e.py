@@ -13,7 +13,17 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-from demo import SCRIPT, SITE, clean_env, launch  # noqa: E402
+from launch import RANKS, SITE, clean_env, torchrun  # noqa: E402
+
+SCRIPT = ROOT / "examples" / "tp_mlp.py"
+
+
+def launch(workdir, name, env, *script_args):
+    """Run examples/tp_mlp.py; returns (CompletedProcess, per-rank saved results or None)."""
+    proc = torchrun(SCRIPT, ["--out", str(Path(workdir) / f"{name}.pt"), *script_args], env, workdir)
+    if proc.returncode != 0:
+        return proc, None
+    return proc, [torch.load(Path(workdir) / f"{name}_rank{rank}.pt") for rank in range(RANKS)]
 
 ROWS = 13 * 2
 CHUNK_COUNTS = [1, 2, 3, 4, 8]
@@ -110,7 +120,7 @@ def test_mindspeed_flag_disagreeing_with_env_is_an_error(tmp_path):
 def test_cli_run_launches_with_the_bootstrap(tmp_path):
     out = tmp_path / "cli.pt"
     command = [sys.executable, "-m", "coc_inject", "run", "3", "--", sys.executable, "-m",
-               "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(SCRIPT),
+               "torch.distributed.run", "--nproc-per-node", str(RANKS), "--standalone", str(SCRIPT),
                "--out", str(out)]
     proc = subprocess.run(command, env=clean_env(PYTHONPATH=str(ROOT)), cwd=tmp_path, capture_output=True,
                           text=True, timeout=240)

@@ -144,3 +144,13 @@ def test_torch_compile_still_runs_coc(pool2, kind, sp):
         assert max(result["errors"].values()) <= 1e-5
         forward, backward = coc_counts(kind, sp, 3)
         assert result["forward_counts"] == forward and result["backward_counts"] == backward
+
+
+# Row without SP is left out: Megatron's own output there (its all-reduce Function returns
+# its input) refuses in-place edits, so there is no reference to compare with.
+@pytest.mark.parametrize("kind,sp", [("row", True), ("column", True), ("column", False)],
+                         ids=["row-sp", "column-sp", "column-bwd"])
+def test_output_can_be_modified_in_place(pool2, kind, sp):
+    for result in pool2.run("layer_cases:output_modified_in_place", kind=kind, chunks=3, sequence_parallel=sp):
+        assert result["calls"] == 1
+        assert max(result["errors"]) <= 1e-5

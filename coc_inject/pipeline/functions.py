@@ -69,7 +69,8 @@ class MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout):
         x2d = _rows(x)
-        out = torch.empty(x2d.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        result = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+        out = _rows(result)
         matmul = layout.forward_matmul(weight, x.device.type)
 
         def compute(start, stop):
@@ -81,7 +82,7 @@ class MatmulAllReduce(torch.autograd.Function):
         run_compute_first(chunk_bounds(x2d.shape[0], chunks), compute, communicate)
         ctx.save_for_backward(x, weight)
         ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return result
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -105,7 +106,8 @@ class MatmulReduceScatter(torch.autograd.Function):
         x_blocks = _rank_blocks(_rows(x), tp_size)
         block_rows = x_blocks.shape[1]
         n = weight.shape[0]
-        out = torch.empty(block_rows, n, dtype=x.dtype, device=x.device)
+        result = torch.empty(x.shape[0] // tp_size, *x.shape[1:-1], n, dtype=x.dtype, device=x.device)
+        out = _rows(result)
         matmul = layout.forward_matmul(weight, x.device.type)
 
         def compute(start, stop):
@@ -119,7 +121,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.chunks, ctx.group = chunks, group
         ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
-        return out.view(x.shape[0] // tp_size, *x.shape[1:-1], n)
+        return result
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -164,7 +166,8 @@ class AllGatherMatmul(torch.autograd.Function):
         n = weight.shape[0]
         gathered = torch.empty(tp_size * block_rows, x_shard.shape[1], dtype=x.dtype, device=x.device)
         gathered_blocks = _rank_blocks(gathered, tp_size)
-        out = torch.empty(tp_size * block_rows, n, dtype=x.dtype, device=x.device)
+        result = torch.empty(x.shape[0] * tp_size, *x.shape[1:-1], n, dtype=x.dtype, device=x.device)
+        out = _rows(result)
         out_blocks = _rank_blocks(out, tp_size)
         matmul = layout.forward_matmul(weight, x.device.type)
 
@@ -180,7 +183,7 @@ class AllGatherMatmul(torch.autograd.Function):
         keep_gathered = wgrad.needed and not recompute_all_gather
         ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
         ctx.chunks, ctx.group, ctx.wgrad = chunks, group, wgrad
-        return out.view(x.shape[0] * tp_size, *x.shape[1:-1], n)
+        return result
 
     @staticmethod
     def backward(ctx, grad_output):
