@@ -1,5 +1,6 @@
 # The two commands of the README:
-#   make demo   run the unmodified example under torchrun, CoC off then on, and compare
+#   make demo   the main job: an unmodified tiny GPT pretraining script under torchrun (TP=2,
+#               sequence parallel, CPU + gloo), CoC off then on via the environment only
 #   make test   the full test suite (newest megatron-core), plus the layer suites against the
 #               oldest supported megatron-core in a second venv
 # Both create their virtual environments on first use. torch is pinned to the local CPU wheel
@@ -14,10 +15,22 @@ VENV_OLDEST ?= .venv-megatron-oldest
 SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/dev/null)
 LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_patching.py
 
-.PHONY: demo test test-newest test-oldest bench-startup clean
+LINK ?= 1gbit
+
+.PHONY: demo demo-link test test-newest test-oldest bench bench-link bench-startup clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
+
+# Root only: the same job over an emulated $(LINK) link between the two ranks.
+demo-link: $(VENV)/.installed
+	$(VENV)/bin/python examples/demo.py --link $(LINK)
+
+bench: $(VENV)/.installed
+	$(VENV)/bin/coc-inject bench
+
+bench-link: $(VENV)/.installed
+	$(VENV)/bin/coc-inject bench --link $(LINK) --out benchmarks/out/link-$(LINK)
 
 test: test-newest test-oldest
 

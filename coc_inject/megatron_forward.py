@@ -99,7 +99,8 @@ class CocEngine:
                      f"with {chunks} chunks instead")
         return chunks
 
-    def _agree(self, group, device):
+    def ensure_agreement(self, group, device):
+        """The once-per-group cross-rank config check (runs on the first CoC call anyway)."""
         agreement.ensure_same_config(group, self.config.fingerprint(), device, str(self.config.describe()))
 
     # -- RowParallelLinear -----------------------------------------------------------------
@@ -123,7 +124,7 @@ class CocEngine:
             input_ if layer.input_is_parallel
             else scatter_to_tensor_model_parallel_region(input_, group=group)
         )
-        self._agree(group, input_parallel.device)
+        self.ensure_agreement(group, input_parallel.device)
         function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
         output = function.apply(
             input_parallel, layer.weight, chunks, group, layer.gradient_accumulation_fusion, self.layout
@@ -168,7 +169,7 @@ class CocEngine:
             return fall_back(chunks)
 
         group = layer.tp_group
-        self._agree(group, input_.device)
+        self.ensure_agreement(group, input_.device)
         if sequence_parallel:
             output_parallel = AllGatherMatmul.apply(
                 input_, weight, chunks, group, layer.gradient_accumulation_fusion, self.layout,

@@ -84,7 +84,9 @@ def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device):
     return layer, x
 
 
-def _install(variant: str) -> None:
+def _install(variant: str, layer=None) -> None:
+    """Patch for ``variant``; with ``layer``, also run the one-time cross-rank config check
+    now, so that no timed call pays for it."""
     patching.uninstall()
     if variant == "megatron":
         return
@@ -95,6 +97,8 @@ def _install(variant: str) -> None:
         patching.install(CocConfig(parallel_num=1, customized_coc={(1, 1, 1): 2}))
     else:
         patching.install(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
+    if layer is not None:
+        patching.engine().ensure_agreement(layer.tp_group, layer.weight.device)
 
 
 def _comm_only(case: BenchCase, layer, x, group):
@@ -133,7 +137,7 @@ def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmu
         progress(f"{case.label}: repetition {rep + 1 - warmup}/{reps}" if rep >= warmup else f"{case.label}: warm-up")
         shift = rep % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            _install(variant)
+            _install(variant, layer)
             inp = x.clone().requires_grad_(True)
             (out, _), forward = timer(lambda: layer(inp))
             grad = torch.ones_like(out)
@@ -154,7 +158,7 @@ def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmu
 
 def timeline(layer, x, chunks: int) -> list:
     """Per-chunk compute and communication intervals of one CoC forward (host clock, ms)."""
-    _install(f"N={chunks}")
+    _install(f"N={chunks}", layer)
     tracer = schedules.TimelineTracer()
     schedules.tracer = tracer
     try:

@@ -34,10 +34,12 @@ def summarize_case(result: dict) -> dict:
         if name in ("compute-only", "comm-only"):
             continue
         total = [f + b for f, b in zip(samples["forward"], samples["backward"])]
-        row = {"forward_ms": _median_ms(samples["forward"]), "fwd_bwd_ms": _median_ms(total)}
+        row = {"forward_ms": _median_ms(samples["forward"]), "backward_ms": _median_ms(samples["backward"]),
+               "fwd_bwd_ms": _median_ms(total)}
         if name != "megatron":
             chunks = int(name.split("=")[1])
             row["forward_speedup"] = _median_ratio(megatron["forward"], samples["forward"])
+            row["backward_speedup"] = _median_ratio(megatron["backward"], samples["backward"])
             row["fwd_bwd_speedup"] = _median_ratio(megatron_total, total)
             saving = min(compute, comm) * (1 - 1 / chunks)
             row["ideal_ms"] = max(compute, comm) + min(compute, comm) / chunks
@@ -53,7 +55,7 @@ def summarize(results: list) -> dict:
 
 def format_table(summary: dict) -> str:
     lines = [f"{'case':<22} {'variant':<9} {'fwd ms':>8} {'fwd x':>6} {'ideal ms':>9} {'eff':>5} "
-             f"{'fwd+bwd ms':>10} {'f+b x':>6}"]
+             f"{'bwd ms':>8} {'bwd x':>6} {'fwd+bwd ms':>10} {'f+b x':>6}"]
     for case in summary.values():
         lines.append(f"{case['label']:<22} compute-only {case['compute_ms']:.1f} ms, comm-only {case['comm_ms']:.1f} ms")
         for name, row in case["variants"].items():
@@ -62,6 +64,7 @@ def format_table(summary: dict) -> str:
                 return "-" if value is None else format(value, spec)
             lines.append(f"{'':<22} {name:<9} {row['forward_ms']:8.1f} {fmt('forward_speedup', '.2f'):>6} "
                          f"{fmt('ideal_ms', '.1f'):>9} {fmt('efficiency', '.0%'):>5} "
+                         f"{row['backward_ms']:8.1f} {fmt('backward_speedup', '.2f'):>6} "
                          f"{row['fwd_bwd_ms']:10.1f} {fmt('fwd_bwd_speedup', '.2f'):>6}")
     lines.append("x: median over repetitions of Megatron time / variant time (> 1: faster). ideal: "
                  "max(C,M)+min(C,M)/N. eff: achieved / ideal saving.")
