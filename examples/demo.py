@@ -7,7 +7,9 @@ by side (equal within 1e-5) and the step times.
 
 ``--link RATE`` (root) runs the two ranks as two single-rank "nodes" in network namespaces
 joined by a rate-limited link (coc_inject.bench.link) to show the step-time gain CoC gives when
-the interconnect, not the CPU, is the bottleneck.
+the interconnect, not the CPU, is the bottleneck. It then uses a larger model by default
+(LINK_MODEL below: 4096 rows per step, so each collective moves megabytes and gloo's ~0.5 ms
+per-collective latency stays small next to it) with 8 chunks and 6 steps.
 """
 
 import argparse
@@ -23,6 +25,9 @@ from launch import ROOT, clean_env, coc_env, torchrun
 sys.path.insert(0, str(ROOT))
 SCRIPT = ROOT / "examples" / "pretrain_tiny_gpt.py"
 LOSS_BOUND = 1e-5
+# Model for --link: per-call compute and communication of the same order at 1 gbit on one core.
+LINK_MODEL = ["--seq-length", "256", "--micro-batch-size", "16", "--hidden-size", "512",
+              "--ffn-hidden-size", "512", "--num-attention-heads", "8"]
 
 
 def run(label, env, workdir, steps, link, extra_args):
@@ -40,11 +45,15 @@ def run(label, env, workdir, steps, link, extra_args):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--chunks", type=int, default=4, help="COC_PARALLEL_NUM of the CoC run")
+    parser.add_argument("--steps", type=int, help="training steps (default 30; 6 with --link)")
+    parser.add_argument("--chunks", type=int, help="COC_PARALLEL_NUM of the CoC run (default 4; 8 with --link)")
     parser.add_argument("--link", metavar="RATE", help="emulate this link rate between the ranks (root)")
     parser.add_argument("script_args", nargs="*", help="extra arguments for the training script")
     args = parser.parse_args(argv)
+    args.steps = args.steps or (6 if args.link else 30)
+    args.chunks = args.chunks or (8 if args.link else 4)
+    if args.link and not args.script_args:
+        args.script_args = LINK_MODEL
 
     link_context = contextlib.nullcontext()
     if args.link:

@@ -169,8 +169,8 @@ def timeline(layer, x, chunks: int) -> list:
     finally:
         schedules.tracer = None
         patching.uninstall()
-    return [(kind, start_row, 1e3 * (t0 - begin), 1e3 * ((t1 or t0) - begin))
-            for kind, start_row, t0, t1 in tracer.events if kind != "launch"]
+    return [(kind, start_row, 1e3 * (t0 - begin), 1e3 * (t1 - begin))
+            for kind, start_row, t0, t1 in tracer.finish() if kind != "launch"]
 
 
 def _median_seconds(fn, calls: int) -> float:

@@ -76,9 +76,16 @@ class TimelineTracer:
         # (kind, chunk start row, t_begin, t_end); kind: "compute", "launch" (host time to
         # start the collective), "comm" (issued -> completed)
         self.events = []
+        self._pollers = []
+
+    def finish(self) -> list:
+        """Wait for completion times still being recorded; return the events."""
+        for poller in self._pollers:
+            poller.join()
+        return self.events
 
     def wrap(self, compute, communicate):
-        events = self.events
+        events, pollers = self.events, self._pollers
 
         def traced_compute(start, stop, *rest):
             begin = time.perf_counter()
@@ -95,7 +102,9 @@ class TimelineTracer:
             try:
                 handle.get_future().add_done_callback(lambda _: record.__setitem__(3, time.perf_counter()))
             except (AttributeError, RuntimeError):  # e.g. gloo reduce-scatter has no future: poll
-                threading.Thread(target=_poll_completion, args=(handle, record), daemon=True).start()
+                poller = threading.Thread(target=_poll_completion, args=(handle, record), daemon=True)
+                poller.start()
+                pollers.append(poller)
             return handle
 
         return traced_compute, traced_communicate
