@@ -171,7 +171,7 @@ class CocEngine:
         group = layer.tp_group
         self.ensure_agreement(group, input_.device)
         if sequence_parallel:
-            output_parallel = AllGatherMatmul.apply(
+            output_parallel, _ = AllGatherMatmul.apply(
                 input_, weight, chunks, group, layer.gradient_accumulation_fusion, self.layout,
                 self.config.recompute_all_gather,
             )

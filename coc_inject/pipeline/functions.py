@@ -150,7 +150,8 @@ class MatmulReduceScatter(torch.autograd.Function):
 
 
 class AllGatherMatmul(torch.autograd.Function):
-    """ColumnParallel, SP: ``AllGather_seq(x) @ Wᵀ``, comm-first.
+    """ColumnParallel, SP: ``AllGather_seq(x) @ Wᵀ``, comm-first. Returns ``(output, gathered)``;
+    the gathered input is a non-differentiable by-product ("ALL_GATHER_MATMUL_V2").
 
     Backward: dgrad matmul + reduce-scatter chunk by chunk (compute-first). wgrad needs the
     gathered input: re-gathered during the dgrad pipeline (``recompute_all_gather``) or kept
@@ -183,10 +184,11 @@ class AllGatherMatmul(torch.autograd.Function):
         keep_gathered = wgrad.needed and not recompute_all_gather
         ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
         ctx.chunks, ctx.group, ctx.wgrad = chunks, group, wgrad
-        return result
+        ctx.mark_non_differentiable(gathered)
+        return result, gathered
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, grad_output, _grad_gathered):
         x, weight, kept_gathered = ctx.saved_tensors
         group = ctx.group
         tp_size = group.size()

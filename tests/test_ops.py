@@ -1,0 +1,38 @@
+"""coc_inject.ops on 2 and 4 real gloo ranks, against dense float64 math (no Megatron)."""
+
+import pytest
+
+OPS = ["matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul"]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("chunks", [1, 3, 8])
+def test_ops_tp2(pool2, op, chunks):
+    rows = 14 if op == "matmul_reduce_scatter" else 13  # reduce-scatter rows must divide by TP
+    for result in pool2.run("ops_cases:check_op", op=op, chunks=chunks, rows=rows):
+        assert max(result.values()) <= 1e-5, result
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_ops_tp4(pool4, op):
+    rows = 12 if op == "matmul_reduce_scatter" else 5
+    for result in pool4.run("ops_cases:check_op", op=op, chunks=3, rows=rows):
+        assert max(result.values()) <= 1e-5, result
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "group"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("with_offset", [False, True])
+def test_w8a16_matmul_all_reduce(pool2, granularity, dtype, with_offset):
+    for result in pool2.run("ops_cases:check_w8a16", granularity=granularity, dtype=dtype,
+                            with_offset=with_offset):
+        # fp16/bf16 activations: within a few half-precision ulps of the float64 result.
+        assert result["error"] <= (2.0**-6 if dtype == "bfloat16" else 2.0**-9), result
+
+
+def test_bad_arguments_name_the_argument(pool2):
+    messages = pool2.run("ops_cases:bad_input_messages")[0]
+    assert "chunks=0 is invalid" in messages[0]
+    assert "x.shape[0]=5 is invalid" in messages[1] and "multiple of the group size 2" in messages[1]
+    assert "needs antiquant_scale" in messages[2]
+    assert "antiquant scale shape=(3,) is invalid" in messages[3]
