@@ -1,4 +1,4 @@
-"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference | bench.
+"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference | bench | selftest.
 
 * ``status``: the resolved configuration (or every error in it), whether the bootstrap will
   run in Python processes started from this environment, the shadowed sitecustomize it
@@ -9,6 +9,7 @@
 * ``env [N|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
 * ``reference``: the environment-variable and config-file reference as markdown tables.
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
+* ``selftest [...]``: each available backend vs the unfused result (coc_inject.selftest).
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("reference", help="print the variable reference (markdown)").set_defaults(func=cmd_reference)
     # Parsed by coc_inject.bench.run itself (see main()); listed here for --help.
     commands.add_parser("bench", help="benchmark CoC vs unpatched Megatron (coc-inject bench -h)")
+    commands.add_parser("selftest", help="every available backend vs the unfused result (coc-inject selftest -h)")
     return parser
 
 
@@ -197,5 +199,9 @@ def main(argv=None) -> int:
         from coc_inject.bench.run import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["selftest"]:
+        from coc_inject.selftest import main as selftest_main
+
+        return selftest_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)

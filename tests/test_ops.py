@@ -36,3 +36,19 @@ def test_bad_arguments_name_the_argument(pool2):
     assert "x.shape[0]=5 is invalid" in messages[1] and "multiple of the group size 2" in messages[1]
     assert "needs antiquant_scale" in messages[2]
     assert "antiquant scale shape=(3,) is invalid" in messages[3]
+
+
+def test_selftest_command_checks_every_case():
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "selftest", "--shape", "64", "32", "48",
+                           "--reps", "1", "--chunks", "3"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = re.findall(r"^chunked N=3\s+(\S+)\s+(\S+)", proc.stdout, flags=re.M)
+    assert {case for case, _ in rows} == {"matmul_all_reduce", "matmul_reduce_scatter",
+                                          "all_gather_matmul", "w8a16_matmul_all_reduce"}
+    assert all(float(error) <= 1e-5 for _, error in rows)
+    assert "atb" in proc.stdout and "torch_atb is not importable" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("PASS")
