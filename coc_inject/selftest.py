@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import statistics
 import sys
 import time
@@ -125,19 +124,15 @@ def format_table(rows, header) -> str:
     return "\n".join(lines)
 
 
-def _local_rank(rank, port, args, queue):
+def _local_rank(rank, world, port, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put(("ok", run_rank(args, torch.device("cpu"), dist.group.WORLD)))
-    except BaseException:
-        import traceback
-
-        queue.put(("error", traceback.format_exc()))
+        return run_rank(args, torch.device("cpu"), dist.group.WORLD)
     finally:
         dist.destroy_process_group()
 
@@ -169,25 +164,14 @@ def main(argv=None) -> int:
         where = f"torchrun, {dist.get_world_size()} ranks on {device.type} ({backend})"
         dist.destroy_process_group()
     else:
-        import torch.multiprocessing as mp
+        from coc_inject.local_ranks import free_port, run_local_ranks
 
         args.dtype = args.dtype or "float32"
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        context = mp.get_context("spawn")
-        queue = context.Queue()
-        procs = [context.Process(target=_local_rank, args=(rank, port, args, queue)) for rank in range(2)]
-        for proc in procs:
-            proc.start()
-        answers = [queue.get() for _ in procs]
-        for proc in procs:
-            proc.join()
-        errors = [value for status, value in answers if status == "error"]
-        if errors:
-            print("coc-inject selftest failed:\n" + "\n".join(errors), file=sys.stderr)
+        try:
+            rows = run_local_ranks(_local_rank, 2, free_port(), args)
+        except RuntimeError as error:
+            print(f"coc-inject selftest failed:\n{error}", file=sys.stderr)
             return 1
-        rows = next(value for _, value in answers if value is not None)
         where = "2 local CPU ranks (gloo)"
     if rows is None:
         return 0

@@ -8,7 +8,6 @@ test process, where the assertions are.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
@@ -173,6 +172,21 @@ def _installed(config):
     return patching
 
 
+def unpatched_then_coc(run, chunks):
+    """``run()`` with Megatron's own forwards, then with CoC: (reference, coc, CoC calls made)."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    patching.uninstall()
+    reference = run()
+    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
+    try:
+        coc = run()
+        return reference, coc, patching.engine().calls
+    finally:
+        patching.uninstall()
+
+
 def compare_main_grad(kind, *, chunks, sequence_parallel, zero_out_wgrad=False, seq=16, batch=2):
     """gradient_accumulation_fusion: wgrad lands in weight.main_grad (plain torch ops, no apex)."""
     from coc_inject import patching
@@ -205,7 +219,6 @@ def compare_main_grad(kind, *, chunks, sequence_parallel, zero_out_wgrad=False, 
 def compare_explicit_weight(*, chunks, sequence_parallel, seq=16, batch=2):
     """ColumnParallelLinear.forward(input, weight=W): W is used and receives the gradient."""
     from coc_inject import patching
-    from coc_inject.config import CocConfig
 
     patching.uninstall()
     layer = build_layer("column", sequence_parallel=sequence_parallel, bias=False, skip_bias_add=False,
@@ -220,14 +233,7 @@ def compare_explicit_weight(*, chunks, sequence_parallel, seq=16, batch=2):
         output.backward(grad_for(output))
         return output.detach(), inp.grad, weight.grad
 
-    reference = run()
-    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
-    try:
-        calls = patching.engine().calls
-        coc = run()
-        calls = patching.engine().calls - calls
-    finally:
-        patching.uninstall()
+    reference, coc, calls = unpatched_then_coc(run, chunks)
     return {"coc_calls": calls,
             "errors": [relative_error(a, b) for a, b in zip(coc, reference)],
             "layer_weight_untouched": layer.weight.grad is None}
@@ -299,8 +305,6 @@ def fallback_is_megatron(kind, *, chunks, reason_fragment, layer_options, sequen
 
 def train_mlp(*, chunks, sequence_parallel, steps=5, seq=16, batch=2, hidden=32, ffn=64):
     """Column -> gelu -> Row trained with Adam; the loss sequence unpatched and with CoC."""
-    from coc_inject import patching
-    from coc_inject.config import CocConfig
 
     def losses():
         column = build_layer("column", sequence_parallel=sequence_parallel, bias=True,
@@ -326,14 +330,7 @@ def train_mlp(*, chunks, sequence_parallel, steps=5, seq=16, batch=2, hidden=32,
             history.append(loss.item())
         return history
 
-    patching.uninstall()
-    reference = losses()
-    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
-    try:
-        coc = losses()
-        calls = patching.engine().calls
-    finally:
-        patching.uninstall()
+    reference, coc, calls = unpatched_then_coc(losses, chunks)
     return {"reference": reference, "coc": coc, "calls": calls}
 
 
@@ -366,7 +363,6 @@ def output_modified_in_place(kind, *, chunks, sequence_parallel):
     """Megatron code edits layer outputs in place (vocab-parallel cross-entropy subtracts the
     max from the logits): a CoC output must allow that, as Megatron's own output does."""
     from coc_inject import patching
-    from coc_inject.config import CocConfig
 
     patching.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=False, skip_bias_add=False,
@@ -380,11 +376,5 @@ def output_modified_in_place(kind, *, chunks, sequence_parallel):
         output.backward(grad_for(output))
         return output.detach(), inp.grad
 
-    reference = run()
-    _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
-    try:
-        coc = run()
-        calls = patching.engine().calls
-    finally:
-        patching.uninstall()
+    reference, coc, calls = unpatched_then_coc(run, chunks)
     return {"calls": calls, "errors": [relative_error(a, b) for a, b in zip(coc, reference)]}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import sys
 import time
 from pathlib import Path
@@ -63,7 +62,7 @@ def run_rank(args, device, link=None) -> dict | None:
     return {"results": results, "host_overhead": overhead}
 
 
-def _local_rank(rank, world, port, args, namespaces, queue):
+def _local_rank(rank, world, port, args, namespaces):
     from coc_inject.bench import link as link_module
 
     if namespaces:
@@ -84,47 +83,25 @@ def _local_rank(rank, world, port, args, namespaces, queue):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     try:
-        queue.put(("ok", run_rank(args, torch.device("cpu"))))
-    except BaseException as error:  # report, don't hang the parent
-        import traceback
-
-        queue.put(("error", f"rank {rank}: {traceback.format_exc()}"))
-        raise SystemExit(1) from error
+        return run_rank(args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 
 
 def run_local(args) -> dict:
-    import torch.multiprocessing as mp
-
     from coc_inject.bench.link import EmulatedLink
+    from coc_inject.local_ranks import free_port, run_local_ranks
 
     for key in [k for k in os.environ if k.startswith(("COC_", "USE_COC_"))]:
         del os.environ[key]  # the bench installs each variant itself
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-
-    def launch(namespaces):
-        port = 29500 + os.getpid() % 1000
-        if not namespaces:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-        procs = [context.Process(target=_local_rank, args=(r, 2, port, args, namespaces, queue)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        answers = [queue.get() for _ in procs]
-        for proc in procs:
-            proc.join()
-        errors = [value for status, value in answers if status == "error"]
-        if errors:
-            raise SystemExit("coc-inject bench failed:\n" + "\n".join(errors))
-        return next(value for _, value in answers if value is not None)
-
-    if args.link:
-        with EmulatedLink(args.link) as link:
-            return launch(link.names)
-    return launch(None)
+    try:
+        if args.link:
+            with EmulatedLink(args.link) as link:
+                # The rendezvous port is on the link's own address: any port is free there.
+                return run_local_ranks(_local_rank, 2, 29500, args, link.names)
+        return run_local_ranks(_local_rank, 2, free_port(), args, None)
+    except RuntimeError as error:
+        raise SystemExit(f"coc-inject bench failed:\n{error}") from None
 
 
 def run_torchrun(args) -> dict | None:

@@ -1,0 +1,39 @@
+"""Run a function on a few local processes, one per rank (bench and selftest without torchrun)."""
+
+from __future__ import annotations
+
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(worker, rank, world, port, queue, args):
+    try:
+        queue.put(("ok", worker(rank, world, port, *args)))
+    except BaseException:  # report, so the parent never waits forever
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def run_local_ranks(worker, world: int, port: int, *args):
+    """Start ``worker(rank, world, port, *args)`` in ``world`` spawned processes; return the
+    one non-None result (rank 0's). Raises RuntimeError with every failing rank's traceback."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_entry, args=(worker, rank, world, port, queue, args))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    answers = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    errors = [value for status, value in answers if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return next((value for _, value in answers if value is not None), None)
