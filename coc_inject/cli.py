@@ -16,16 +16,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.machinery
-import importlib.util
 import os
 import shlex
 import sys
 
 from coc_inject import __version__, bootstrap
 
-# Optional fused-kernel libraries: looked up, never imported (torch_npu without the Ascend
-# CANN libraries breaks `import torch` itself).
-BACKEND_MODULES = {"atb": "torch_atb", "mc2": "torch_npu", "symm_mem": "torch.distributed._symmetric_memory"}
 
 
 def toggles(mode: str | None) -> dict:
@@ -125,20 +121,11 @@ def cmd_status(args) -> int:
     low, high = (".".join(map(str, v)) for v in patching.SUPPORTED_MEGATRON)
     support = "supported" if patching.megatron_supported(version) else f"NOT supported (supported: {low} .. {high}.x)"
     print(f"megatron-core     : {version or 'not installed'} {'' if version is None else support}".rstrip())
-    for name, module in BACKEND_MODULES.items():
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        note = ""
-        if found and name == "symm_mem":
-            import torch
+    from coc_inject.fused import registry
 
-            note = "" if torch.cuda.is_available() else ", but no CUDA device"
-        print(f"backend {name:<9} : {'importable' if found else 'not importable'} ({module}{note})")
-    print("                    fused backends are not wired in this version: "
-          "USE_COC_FUSED_KERNEL=1 runs the chunked pipeline and says so")
-
+    for name, why_not in registry.status().items():
+        print(f"fused {name:<11} : {'usable' if why_not is None else 'not usable: ' + why_not}")
+    print(f"fused (others)    : {registry.NOT_WIRED}")
     errors = config_module.validate_all()
     print("configuration     :", "INVALID" if errors else "ok")
     for error in errors:

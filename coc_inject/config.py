@@ -74,6 +74,9 @@ CUSTOMIZED_ALLOWED = (
     f"keys: {SHAPE_KEY_ALLOWED}; values: {SHAPE_COUNT_ALLOWED}"
 )
 LOG_LEVEL_ALLOWED = ", ".join(LOG_LEVELS) + " (any case)"
+# Kept in step with coc_inject.fused.registry.CHOICES (a test checks); this module stays torch-free.
+FUSED_BACKENDS = ("auto", "chunked", "atb")
+FUSED_BACKEND_ALLOWED = ", ".join(FUSED_BACKENDS) + " (any case)"
 FLAG_NEEDS_USE_ASCEND_COC = "--use-ascend-coc alongside it (MindSpeed only honours the CoC flags with --use-ascend-coc)"
 
 
@@ -118,6 +121,8 @@ class CocConfig:
     log_level: str = "info"
     disabled: bool = False
     config_file: str | None = None
+    fused_backend: str = "auto"
+    deterministic: bool = False
 
     def __post_init__(self):
         # Built by hand (tests, other modules) as well as by load_config, so normalise and
@@ -147,6 +152,8 @@ class CocConfig:
             raise ConfigError(f"{where}.k_min", self.k_min, f"k_min <= k_max (k_max is {self.k_max})")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"{where}.log_level", self.log_level, ", ".join(LOG_LEVELS))
+        if self.fused_backend not in FUSED_BACKENDS:
+            raise ConfigError(f"{where}.fused_backend", self.fused_backend, ", ".join(FUSED_BACKENDS))
 
     @property
     def enabled(self) -> bool:
@@ -182,6 +189,9 @@ class CocConfig:
             "customized_coc": [[list(shape), chunks] for shape, chunks in self.customized_coc],
             "k_min": self.k_min,
             "k_max": self.k_max,
+            # Added later: only when set, so default configurations keep their fingerprint.
+            **({"fused_backend": self.fused_backend} if self.fused_backend != "auto" else {}),
+            **({"deterministic": True} if self.deterministic else {}),
         }
 
     def fingerprint(self) -> int:
@@ -212,6 +222,8 @@ class CocConfig:
             "log_level": self.log_level,
             "disabled": self.disabled,
             "config_file": self.config_file,
+            "fused_backend": self.fused_backend,
+            "deterministic": self.deterministic,
         }
 
 
@@ -257,6 +269,12 @@ ENV_REFERENCE = (
     Setting("COC_CONFIG", "(unset)", CONFIG_FILE_ALLOWED,
             "JSON file in MindSpeed's coc_cfgs format; each environment variable overrides its own key."),
     Setting("COC_LOG_LEVEL", _DEFAULTS.log_level, LOG_LEVEL_ALLOWED, "Verbosity of the [coc-inject] stderr lines."),
+    Setting("COC_FUSED_BACKEND", _DEFAULTS.fused_backend, FUSED_BACKEND_ALLOWED,
+            "With USE_COC_FUSED_KERNEL: auto = the first fused backend that can run the call; atb = only "
+            "Ascend ATB lcoc; chunked = never a fused kernel."),
+    Setting("COC_DETERMINISTIC", _shown(_DEFAULTS.deterministic), BOOL_ALLOWED,
+            "Ask the fused backend for its deterministic mode (ATB: sets LCCL_DETERMINISTIC=1 before the "
+            "first kernel); the chunked pipeline is always deterministic."),
 )
 _ALLOWED = {s.name: s.allowed for s in ENV_REFERENCE + FILE_REFERENCE}
 
@@ -351,6 +369,13 @@ def _parse_shape_key(key: str):
     if isinstance(shape, list) and len(shape) == 3 and all(_is_int(d) and d >= 1 for d in shape):
         return tuple(shape)
     return None
+
+
+def parse_fused_backend(variable: str, text: str) -> str:
+    choice = text.strip().lower()
+    if choice in FUSED_BACKENDS:
+        return choice
+    raise ConfigError(variable, text, FUSED_BACKEND_ALLOWED)
 
 
 def parse_log_level(variable: str, text: str) -> str:
@@ -470,6 +495,8 @@ def _resolve(environ, argv_flags) -> tuple[dict, list]:
                 values[key] = value
 
     parse("COC_LOG_LEVEL", parse_log_level, "log_level")
+    parse("COC_FUSED_BACKEND", parse_fused_backend, "fused_backend")
+    parse("COC_DETERMINISTIC", parse_bool, "deterministic")
 
     _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
     return values, errors

@@ -8,6 +8,7 @@ layer's original forward and the reason is logged once per (layer class, reason)
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +19,10 @@ from coc_inject.config import CocConfig
 from coc_inject.pipeline import agreement
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
+    FusedAllGatherMatmul,
+    FusedKernel,
+    FusedMatmulAllReduce,
+    FusedMatmulReduceScatter,
     MatmulAllReduce,
     MatmulReduceScatter,
     MatmulWithChunkedGradAllReduce,
@@ -77,7 +82,10 @@ class CocEngine:
     def __init__(self, config: CocConfig):
         self.config = config
         self.layout = MatmulLayout.from_config(config)
-        self.calls = 0  # CoC calls made (status / tests); fallbacks are not counted
+        self.calls = 0
+        if config.deterministic:
+            # Read by ATB when it builds its first LCCL communicator, so set it before any kernel.
+            os.environ["LCCL_DETERMINISTIC"] = "1"  # CoC calls made (status / tests); fallbacks are not counted
 
     # -- helpers ---------------------------------------------------------------------------
     def _fall_back(self, layer, fallback: Fallback, original: Callable, *args, **kwargs):
@@ -90,14 +98,28 @@ class CocEngine:
         chunks = self.config.chunks_for(m, k, n)
         if chunks == 1:
             return Fallback(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
-        if chunks == -1:
-            # No fused compute-communication backend exists yet: run the chunked pipeline.
-            chunks = self.config.parallel_num if self.config.parallel_num > 1 else FUSED_FALLBACK_CHUNKS
-            log.once("fused-unavailable", logging.WARNING,
-                     "fused CoC kernel requested (USE_COC_FUSED_KERNEL / COC_CUSTOMIZED -1) but no "
-                     f"fused backend is available in this version; using the chunked pipeline "
-                     f"with {chunks} chunks instead")
         return chunks
+
+    def _fallback_chunks(self) -> int:
+        """Chunks of the pipelines that run where a fused kernel was asked for but cannot."""
+        return self.config.parallel_num if self.config.parallel_num > 1 else FUSED_FALLBACK_CHUNKS
+
+    def _kernel(self, op: str, x2d, weight, group, chunks: int):
+        """The chunk count, or for ``chunks == -1`` (fused requested) a FusedKernel if a fused
+        backend can run this call; otherwise say why once and use the chunked pipeline."""
+        if chunks != -1:
+            return chunks
+        from coc_inject.fused import registry
+
+        fallback_chunks = self._fallback_chunks()
+        backend, why = registry.choose(op, x2d, weight, group, self.config.fused_backend)
+        if backend is None:
+            log.once(("fused-unavailable", op, why), logging.WARNING,
+                     f"fused CoC kernel requested for {op}, but no fused backend can run it ({why}); "
+                     f"using the chunked pipeline with {fallback_chunks} chunks")
+            return fallback_chunks
+        log.once(("fused", op, backend.name), logging.INFO, f"{op}: fused kernel {backend.name}")
+        return FusedKernel(backend, fallback_chunks)
 
     def ensure_agreement(self, group, device):
         """The once-per-group cross-rank config check (runs on the first CoC call anyway)."""
@@ -125,10 +147,18 @@ class CocEngine:
             else scatter_to_tensor_model_parallel_region(input_, group=group)
         )
         self.ensure_agreement(group, input_parallel.device)
-        function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
-        output = function.apply(
-            input_parallel, layer.weight, chunks, group, layer.gradient_accumulation_fusion, self.layout
-        )
+        op = "matmul_reduce_scatter" if layer.sequence_parallel else "matmul_all_reduce"
+        x2d = input_parallel.reshape(-1, input_parallel.shape[-1])
+        kernel = self._kernel(op, x2d, layer.weight, group, chunks)
+        arguments = (layer.weight, kernel, group, layer.gradient_accumulation_fusion, self.layout)
+        if isinstance(kernel, FusedKernel):
+            function = FusedMatmulReduceScatter if layer.sequence_parallel else FusedMatmulAllReduce
+            rows = input_parallel.shape[0] // group.size() if layer.sequence_parallel else input_parallel.shape[0]
+            # 2-D through the Function, reshaped outside it: an ordinary view Megatron may edit in place.
+            output = function.apply(x2d, *arguments).view(rows, *input_parallel.shape[1:-1], -1)
+        else:
+            function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
+            output = function.apply(input_parallel, *arguments)
         self.calls += 1
         if layer.skip_bias_add:
             return output, layer.bias
@@ -170,12 +200,19 @@ class CocEngine:
 
         group = layer.tp_group
         self.ensure_agreement(group, input_.device)
+        x2d = input_.reshape(-1, input_.shape[-1])
         if sequence_parallel:
-            output_parallel, _ = AllGatherMatmul.apply(
-                input_, weight, chunks, group, layer.gradient_accumulation_fusion, self.layout,
-                self.config.recompute_all_gather,
-            )
+            kernel = self._kernel("all_gather_matmul", x2d, weight, group, chunks)
+            arguments = (weight, kernel, group, layer.gradient_accumulation_fusion, self.layout,
+                         self.config.recompute_all_gather)
+            if isinstance(kernel, FusedKernel):
+                output_parallel, _ = FusedAllGatherMatmul.apply(x2d, *arguments)
+                output_parallel = output_parallel.view(input_.shape[0] * tp_size, *input_.shape[1:-1], -1)
+            else:
+                output_parallel, _ = AllGatherMatmul.apply(input_, *arguments)
         else:
+            if chunks == -1:  # no communication to fuse in this forward; the backward is chunked
+                chunks = self._fallback_chunks()
             output_parallel = MatmulWithChunkedGradAllReduce.apply(
                 input_, weight, chunks, group, layer.gradient_accumulation_fusion, self.layout
             )

@@ -7,33 +7,20 @@ For each backend and case it runs the CoC op and the unfused reference (matmul, 
 collective, as Megatron does it) on the same inputs and prints, on rank 0, the largest
 relative error (max |Δ| / max |reference|, over all ranks) and the median time of both.
 Backends that cannot run here are listed with the reason. This version ships the chunked
-pipeline; the fused kernels (ATB lcoc, torch_npu MC2, CUDA symmetric memory) are not wired yet.
+pipeline and the Ascend ATB lcoc kernel (torch_atb); torch_npu MC2 and CUDA symmetric-memory
+kernels are not wired yet.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
 import time
 
 CASES = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul", "w8a16_matmul_all_reduce")
-FUSED = {"atb": "torch_atb", "mc2": "torch_npu", "symm_mem": "torch.distributed._symmetric_memory"}
-
-
-def fused_backend_status() -> dict:
-    """Why each fused backend does or does not run in this version (looked up, never imported)."""
-    status = {}
-    for name, module in FUSED.items():
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        status[name] = (f"{module} importable, but this version does not wire the fused kernel yet"
-                        if found else f"{module} is not importable")
-    return status
+FUSED_CASES = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
 
 
 def _sync(device):
@@ -84,7 +71,8 @@ def _cases(m, k, n, dtype, device, group):
         return out
 
     dequantized = ops.dequantize_weight(int8, scale, dtype=dtype)
-    return {
+    fused_inputs = {"matmul_all_reduce": x, "matmul_reduce_scatter": x, "all_gather_matmul": x_shard}
+    return fused_inputs, weight, {
         "matmul_all_reduce": (lambda c: ops.matmul_all_reduce(x, weight, group, chunks=c),
                               lambda: all_reduced(x @ weight.t())),
         "matmul_reduce_scatter": (lambda c: ops.matmul_reduce_scatter(x, weight, group, chunks=c),
@@ -103,24 +91,42 @@ def run_rank(args, device, group) -> list | None:
 
     dtype = getattr(torch, args.dtype)
     m, k, n = args.shape
-    rows = []
+    from coc_inject.fused import registry
+
+    rows, skipped = [], []
+
+    def record(backend, name, actual, expected, coc_ms, ref_ms):
+        stats = torch.tensor([(actual.double() - expected.double()).abs().max().item(),
+                              expected.double().abs().max().item()], device=device)
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+        rows.append((backend, name, (stats[0] / stats[1]).item(), coc_ms, ref_ms))
+
     with torch.no_grad():
-        for name, (coc, reference) in _cases(m, k, n, dtype, device, group).items():
+        fused_inputs, weight, cases = _cases(m, k, n, dtype, device, group)
+        for name, (coc, reference) in cases.items():
             expected, ref_ms = _timed(reference, device, args.reps)
             for chunks in args.chunks:
                 actual, coc_ms = _timed(lambda: coc(chunks), device, args.reps)
-                stats = torch.tensor([(actual.double() - expected.double()).abs().max().item(),
-                                      expected.double().abs().max().item()], device=device)
-                dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-                rows.append((f"chunked N={chunks}", name, (stats[0] / stats[1]).item(), coc_ms, ref_ms))
-    return rows if dist.get_rank() == 0 else None
+                record(f"chunked N={chunks}", name, actual, expected, coc_ms, ref_ms)
+            backends = registry.BACKENDS.values() if name in FUSED_CASES else ()
+            for backend in backends:
+                x = fused_inputs[name]
+                why = backend.unsupported(name, x, weight, group)
+                if why is not None:
+                    skipped.append((backend.name, name, why))
+                    continue
+                actual, coc_ms = _timed(lambda: backend.run(name, x, weight, group)[0], device, args.reps)
+                record(f"fused {backend.name}", name, actual, expected, coc_ms, ref_ms)
+    return (rows, skipped) if dist.get_rank() == 0 else None
 
 
-def format_table(rows, header) -> str:
+def format_table(rows, skipped, header) -> str:
+    from coc_inject.fused import registry
+
     lines = [header, f"{'backend':<16} {'case':<26} {'max rel err':>11} {'CoC ms':>9} {'unfused ms':>10}"]
     lines += [f"{b:<16} {c:<26} {e:11.2e} {t:9.2f} {r:10.2f}" for b, c, e, t, r in rows]
-    for name, why in fused_backend_status().items():
-        lines.append(f"{name:<16} {'(all)':<26} not run: {why}")
+    lines += [f"fused {b:<10} {c:<26} not run: {why}" for b, c, why in skipped]
+    lines.append(f"{'fused (others)':<16} {'(all)':<26} not run: {registry.NOT_WIRED}")
     return "\n".join(lines)
 
 
@@ -175,8 +181,9 @@ def main(argv=None) -> int:
         where = "2 local CPU ranks (gloo)"
     if rows is None:
         return 0
+    rows, skipped = rows
     m, k, n = args.shape
-    print(format_table(rows, f"coc-inject selftest: {where}; [M,K]x[K,N] = [{m},{k}]x[{k},{n}] {args.dtype}"))
+    print(format_table(rows, skipped, f"coc-inject selftest: {where}; [M,K]x[K,N] = [{m},{k}]x[{k},{n}] {args.dtype}"))
     bound = 1e-5 if args.dtype == "float32" else 2.0**-6
     worst = max(row[2] for row in rows)
     print(f"{'PASS' if worst <= bound else 'FAIL'}: worst relative error {worst:.2e} (bound {bound:.0e})")

@@ -15,3 +15,10 @@ def pool4():
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool3():
+    pool = RankPool(3)
+    yield pool
+    pool.close()

@@ -130,9 +130,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=False, dtype="float32",
             seq=16, batch=2, hidden=32, ffn=64, recompute_all_gather=True,
-            enable_coc_in_column_backward=False, forward_kwargs=None, layer_options=None):
-    """Unpatched vs coc-inject on the same layer and input: relative errors and collective counts."""
-    from coc_inject import patching
+            enable_coc_in_column_backward=False, forward_kwargs=None, layer_options=None,
+            config_options=None):
+    """Unpatched vs coc-inject on the same layer and input: relative errors and collective counts,
+    and what coc-inject logged during the CoC runs."""
+    import io
+    import logging
+
+    from coc_inject import log, patching
     from coc_inject.config import CocConfig
 
     patching.uninstall()
@@ -142,8 +147,13 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
     x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype=dtype)
     reference, ref_fwd, ref_bwd = run_layer(layer, x, forward_kwargs)
     config = CocConfig(parallel_num=chunks, recompute_all_gather=recompute_all_gather,
-                       enable_coc_in_column_backward=enable_coc_in_column_backward)
+                       enable_coc_in_column_backward=enable_coc_in_column_backward, **(config_options or {}))
     assert patching.install(config)
+    said = io.StringIO()
+    handler = logging.StreamHandler(said)
+    log.logger.addHandler(handler)
+    level = log.logger.level
+    log.logger.setLevel(logging.DEBUG)
     try:
         # The first CoC call also runs the once-per-group config agreement (one all_gather);
         # count the second call, and check the two are bitwise identical (determinism).
@@ -153,8 +163,11 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
         coc_calls = patching.engine().calls - calls_before
         bitwise_repeat = all(torch.equal(first[name], coc[name]) for name in coc)
     finally:
+        log.logger.removeHandler(handler)
+        log.logger.setLevel(level)
         patching.uninstall()
     return {
+        "log": said.getvalue(),
         "errors": {name: relative_error(coc[name], reference[name]) for name in reference},
         "keys": sorted(coc),
         "coc_calls": coc_calls,

@@ -81,6 +81,7 @@ def test_reference_covers_every_variable_once():
     assert names == [
         "COC_DISABLE", "COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_RECOMPUTE_ALL_GATHER",
         "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
+        "COC_FUSED_BACKEND", "COC_DETERMINISTIC",
     ]
     for setting in ENV_REFERENCE + FILE_REFERENCE:
         assert setting.default and setting.allowed and setting.meaning
@@ -682,3 +683,25 @@ def test_module_source_stays_lean_and_never_evals():
     for heavy in ("torch", "megatron", "wrapt", "logging"):
         assert f"import {heavy}" not in text
     assert "eval(" not in text
+
+
+@pytest.mark.parametrize("text,expected", [("atb", "atb"), (" ATB ", "atb"), ("Chunked", "chunked"), ("auto", "auto")])
+def test_fused_backend_choices(text, expected):
+    assert load_config({"COC_FUSED_BACKEND": text}).fused_backend == expected
+
+
+def test_fused_backend_rejects_unknown_names():
+    err = error_of({"COC_FUSED_BACKEND": "mc3"})
+    assert str(err) == "COC_FUSED_BACKEND='mc3' is invalid: expected auto, chunked, atb (any case)"
+
+
+def test_deterministic_flag_and_fingerprint():
+    assert load_config({"COC_DETERMINISTIC": "yes"}).deterministic is True
+    # Ranks must agree on the backend and determinism; defaults keep their old fingerprint.
+    assert CocConfig(deterministic=True).fingerprint() != CocConfig().fingerprint()
+    assert CocConfig(fused_backend="chunked").fingerprint() != CocConfig().fingerprint()
+
+
+def test_config_backend_choices_match_the_registry():
+    registry = pytest.importorskip("coc_inject.fused.registry")
+    assert cfgmod.FUSED_BACKENDS == registry.CHOICES

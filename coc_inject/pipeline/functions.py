@@ -258,3 +258,67 @@ class MatmulWithChunkedGradAllReduce(torch.autograd.Function):
             chunk_bounds(grad2d.shape[0], ctx.chunks), compute, communicate, weight_grad_while_reducing
         )
         return grad_input, grad_weight, None, None, None, None
+
+
+# --- fused kernels in the forward (and Row SP backward), chunked pipelines elsewhere ------------
+
+
+class FusedKernel:
+    """A fused backend chosen for one call, plus the chunk count of the chunked parts."""
+
+    def __init__(self, backend, backward_chunks: int):
+        self.backend = backend
+        self.backward_chunks = backward_chunks
+
+
+class FusedMatmulAllReduce(MatmulAllReduce):
+    """RowParallel, no SP: one fused mm+all-reduce kernel. ``x`` is 2-D. Backward is local."""
+
+    @staticmethod
+    def forward(ctx, x, weight, kernel: FusedKernel, group, gradient_accumulation_fusion, layout):
+        (out,) = kernel.backend.run("matmul_all_reduce", x, weight, group)
+        ctx.save_for_backward(x, weight)
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        return out
+
+
+class FusedMatmulReduceScatter(MatmulReduceScatter):
+    """RowParallel, SP: fused mm+reduce-scatter forward; backward all-gathers the output gradient
+    and multiplies in one fused kernel too, keeping the gathered gradient for wgrad ("V2")."""
+
+    @staticmethod
+    def forward(ctx, x, weight, kernel: FusedKernel, group, gradient_accumulation_fusion, layout):
+        (out,) = kernel.backend.run("matmul_reduce_scatter", x, weight, group)
+        ctx.save_for_backward(x, weight)
+        ctx.kernel, ctx.group = kernel, group
+        ctx.chunks = kernel.backward_chunks
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad_shard = grad_output.contiguous()
+        # dgrad = AllGather(grad) @ W: W [n, k] is the [k', n'] = untransposed operand here.
+        if ctx.kernel.backend.unsupported("all_gather_matmul", grad_shard, weight, ctx.group) is not None:
+            return MatmulReduceScatter.backward(ctx, grad_output)
+        grad_input, grad_full = ctx.kernel.backend.run("all_gather_matmul", grad_shard, weight, ctx.group,
+                                                       trans_weight=False)
+        grad_weight = ctx.wgrad.compute(weight, grad_full, x)
+        return grad_input, grad_weight, None, None, None, None
+
+
+class FusedAllGatherMatmul(AllGatherMatmul):
+    """ColumnParallel, SP: fused all-gather+mm forward returning the gathered input ("V2"),
+    kept for wgrad unless ``recompute_all_gather``; backward is the chunked dgrad+reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, weight, kernel: FusedKernel, group, gradient_accumulation_fusion, layout,
+                recompute_all_gather):
+        out, gathered = kernel.backend.run("all_gather_matmul", x, weight, group)
+        wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        keep_gathered = wgrad.needed and not recompute_all_gather
+        ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
+        ctx.chunks, ctx.group, ctx.wgrad = kernel.backward_chunks, group, wgrad
+        ctx.mark_non_differentiable(gathered)
+        return out, gathered

@@ -1,0 +1,30 @@
+"""Which fused backend runs a call: the first usable one, or the pinned one, or none."""
+
+from __future__ import annotations
+
+from coc_inject.fused.atb import AtbBackend
+
+BACKENDS = {backend.name: backend for backend in (AtbBackend(),)}
+NOT_WIRED = "torch_npu MC2 and CUDA symmetric-memory kernels are not wired in this version"
+CHOICES = ("auto", "chunked", *BACKENDS)
+
+
+def choose(op: str, x, weight, group, pinned: str = "auto"):
+    """``(backend, None)`` for the backend that runs this call, or ``(None, why not)``."""
+    if pinned == "chunked":
+        return None, "COC_FUSED_BACKEND=chunked"
+    candidates = list(BACKENDS.values()) if pinned == "auto" else [BACKENDS[pinned]]
+    reasons = []
+    for backend in candidates:
+        reason = backend.unsupported(op, x, weight, group)
+        if reason is None:
+            return backend, None
+        reasons.append(f"{backend.name}: {reason}")
+    if pinned == "auto":
+        reasons.append(NOT_WIRED)
+    return None, "; ".join(reasons)
+
+
+def status() -> dict:
+    """Backend name -> None if it can run in this process, else why not."""
+    return {name: backend.unavailable() for name, backend in BACKENDS.items()}

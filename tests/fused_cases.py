@@ -1,0 +1,97 @@
+"""Rank-side helpers for the fused-backend tests: the fake torch_atb on sys.path, its call log."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+FAKES = str(Path(__file__).resolve().parent / "fakes")
+
+
+def use_fake_atb(enabled: bool = True):
+    """Put the fake torch_atb on sys.path (or take it off) and clear its records."""
+    from coc_inject.fused import registry
+
+    if enabled and FAKES not in sys.path:
+        sys.path.insert(0, FAKES)
+    if not enabled and FAKES in sys.path:
+        sys.path.remove(FAKES)
+    if not enabled:
+        sys.modules.pop("torch_atb", None)
+    registry.BACKENDS["atb"]._library = None  # look the library up again
+    registry.BACKENDS["atb"]._operations.clear()
+    if enabled:
+        import torch_atb
+
+        torch_atb.CALLS.clear()
+        torch_atb.CREATED.clear()
+
+
+def fake_calls():
+    import torch_atb
+
+    return {"calls": list(torch_atb.CALLS), "created": list(torch_atb.CREATED)}
+
+
+def compare_fused(kind, *, sequence_parallel, fake=True, dtype="bfloat16", layer_options=None, **options):
+    """layer_cases.compare with USE_COC_FUSED_KERNEL=1 (through the fake when ``fake``)."""
+    import layer_cases
+
+    use_fake_atb(fake)
+    options.setdefault("hidden", 64)
+    options.setdefault("ffn", 128)
+    try:
+        result = layer_cases.compare(kind, chunks=1, sequence_parallel=sequence_parallel, dtype=dtype,
+                                     enable_coc_in_column_backward=True, layer_options=layer_options,
+                                     config_options={"fused": True, **options.pop("config_options", {})},
+                                     **options)
+        result["fake"] = fake_calls() if fake else None
+        return result
+    finally:
+        use_fake_atb(False)
+
+
+def fake_rejects():
+    """The fake enforces the contract: each bad parameter set is refused like the real binding."""
+    import torch
+    import torch.distributed as dist
+
+    use_fake_atb(True)
+    import torch_atb
+
+    def param(**fields):
+        p = torch_atb.LinearParallelParam()
+        base = dict(trans_weight=True, rank=dist.get_rank(), rank_size=dist.get_world_size(), rank_root=0,
+                    backend="lcoc", type=torch_atb.LinearParallelParam.ParallelType.LINEAR_ALL_REDUCE,
+                    comm_domain="0")
+        base.update(fields)
+        for name, value in base.items():
+            if value is not None:
+                setattr(p, name, value)
+        return p
+
+    refused = {}
+    for label, fields in {
+        "hccl backend": dict(backend="hccl"),
+        "trans_weight not set": dict(trans_weight=None),
+        "rank_size 3": dict(rank_size=3),
+        "wrong rank": dict(rank=(dist.get_rank() + 1) % dist.get_world_size()),
+        "domain not numeric": dict(comm_domain="tp0"),
+        "keep_intermediate with all-reduce": dict(keep_intermediate=True),
+    }.items():
+        try:
+            torch_atb.Operation(param(**fields))
+            refused[label] = None
+        except RuntimeError as error:
+            refused[label] = str(error)
+    op = torch_atb.Operation(param())
+    x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(6, 8, dtype=torch.bfloat16)
+    for label, tensors in {"fp32": [x.float(), w.float()], "k mismatch": [x, w[:, :4]],
+                           "three inputs": [x, w, w]}.items():
+        try:
+            op.forward(tensors)
+            refused[label] = None
+        except RuntimeError as error:
+            refused[label] = str(error)
+    use_fake_atb(False)
+    return refused

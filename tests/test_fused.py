@@ -1,0 +1,103 @@
+"""USE_COC_FUSED_KERNEL=1 through the full Megatron path, on a FAKE torch_atb (tests/fakes) that
+checks the ATB lcoc call contract and computes with gloo. Real Ascend hardware: not verified."""
+
+import pytest
+
+from layer_checks import BF16_BOUND, CASE_IDS, CASES
+
+# The fused kernel calls one call of each layer makes (forward, and Row SP's backward), as
+# (ATB type, trans_weight, keep_intermediate); compare() runs the CoC call twice.
+EXPECTED_KERNELS = {
+    ("row", False): [("LINEAR_ALL_REDUCE", True, False)],
+    ("row", True): [("LINEAR_REDUCE_SCATTER", True, False), ("ALL_GATHER_LINEAR", False, True)],
+    ("column", True): [("ALL_GATHER_LINEAR", True, True)],
+    ("column", False): [],  # no communication in that forward; its backward is chunked
+}
+
+
+def check_fused(results, kind, sp):
+    for rank, result in enumerate(results):
+        assert result["coc_calls"] == 1
+        assert result["bitwise_repeat"]
+        for name, error in result["errors"].items():
+            assert error <= BF16_BOUND, f"rank {rank} {name}: {error:.2e}"
+        kernels = [call[:3] for call in result["fake"]["calls"]]
+        assert sorted(kernels) == sorted(EXPECTED_KERNELS[(kind, sp)] * 2), kernels
+
+
+@pytest.mark.parametrize("kind,sp,options", CASES, ids=CASE_IDS)
+def test_fused_megatron_path_tp2(pool2, kind, sp, options):
+    results = pool2.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=14)
+    check_fused(results, kind, sp)
+    if kind == "row" and not sp:
+        assert "matmul_all_reduce: fused kernel atb" in results[0]["log"]
+
+
+@pytest.mark.parametrize("kind,sp,options", CASES, ids=CASE_IDS)
+def test_fused_megatron_path_tp4(pool4, kind, sp, options):
+    check_fused(pool4.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=12, batch=1), kind, sp)
+
+
+def test_deterministic_mode_reaches_the_kernel(pool2):
+    results = pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=True, seq=14,
+                        config_options={"deterministic": True})
+    check_fused(results, "row", True)
+    assert results[0]["fake"]["created"] and set(results[0]["fake"]["created"]) == {"1"}
+
+
+@pytest.mark.parametrize("fake,dtype,fragment", [
+    (False, "bfloat16", "atb: torch_atb is not installed"),
+    (True, "float32", "ATB lcoc takes fp16 or bf16"),
+])
+def test_outside_the_backend_says_why_and_runs_chunked(pool2, fake, dtype, fragment):
+    results = pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=False, seq=14,
+                        dtype=dtype, fake=fake)
+    bound = BF16_BOUND if dtype == "bfloat16" else 1e-5
+    for result in results:
+        assert result["coc_calls"] == 1 and max(result["errors"].values()) <= bound
+        assert result["coc_counts"][0] == {"all_reduce": 4}  # the chunked pipeline ran instead
+        assert result["log"].count("no fused backend can run it") == 1 and fragment in result["log"]
+        if fake:
+            assert result["fake"]["calls"] == []
+
+
+def test_pinned_chunked_never_uses_the_kernel(pool2):
+    for result in pool2.run("fused_cases:compare_fused", kind="column", sequence_parallel=True, seq=14,
+                            config_options={"fused_backend": "chunked"}):
+        assert result["fake"]["calls"] == [] and "COC_FUSED_BACKEND=chunked" in result["log"]
+        assert max(result["errors"].values()) <= BF16_BOUND
+
+
+def test_non_power_of_two_tp_falls_back(pool3):
+    for result in pool3.run("fused_cases:compare_fused", kind="row", sequence_parallel=True, seq=12,
+                            hidden=48, ffn=96):
+        assert "tensor-parallel size 3 is not a power of 2" in result["log"]
+        assert result["fake"]["calls"] == []
+        assert max(result["errors"].values()) <= BF16_BOUND
+
+
+def test_fake_enforces_the_atb_contract(pool2):
+    refused = pool2.run("fused_cases:fake_rejects")[0]
+    assert all(message for message in refused.values()), refused
+    assert "only 'lcoc'" in refused["hccl backend"]
+    assert "trans_weight must be set explicitly" in refused["trans_weight not set"]
+    assert "not a power of 2" in refused["rank_size 3"]
+    assert "fp16/fp16 or bf16/bf16" in refused["fp32"]
+
+
+def test_selftest_runs_the_fused_backend_it_finds():
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from fused_cases import FAKES
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAKES, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "selftest", "--dtype", "bfloat16", "--reps", "1",
+                           "--chunks", "2", "--shape", "64", "32", "48"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fused = dict(re.findall(r"^fused atb\s+(\S+)\s+(\S+)", proc.stdout, flags=re.M))
+    assert set(fused) == {"matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul"}
+    assert all(float(error) <= 2.0**-6 for error in fused.values())
