@@ -7,8 +7,7 @@ For each backend and case it runs the CoC op and the unfused reference (matmul, 
 collective, as Megatron does it) on the same inputs and prints, on rank 0, the largest
 relative error (max |Δ| / max |reference|, over all ranks) and the median time of both.
 Backends that cannot run here are listed with the reason. This version ships the chunked
-pipeline and the Ascend ATB lcoc kernel (torch_atb); torch_npu MC2 and CUDA symmetric-memory
-kernels are not wired yet.
+pipeline and the fused backends of coc_inject.fused (Ascend ATB lcoc, torch_npu MC2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rank-side helpers for the fused-backend tests: the fake torch_atb on sys.path, its call log."""
+"""Rank-side helpers for the fused-backend tests: the fakes on sys.path, their call logs."""
 
 from __future__ import annotations
 
@@ -8,36 +8,40 @@ from pathlib import Path
 FAKES = str(Path(__file__).resolve().parent / "fakes")
 
 
-def use_fake_atb(enabled: bool = True):
-    """Put the fake torch_atb on sys.path (or take it off) and clear its records."""
+def use_fakes(enabled: bool = True):
+    """Put the fake torch_atb and torch_npu on sys.path (or take them off); clear their records."""
     from coc_inject.fused import registry
 
     if enabled and FAKES not in sys.path:
         sys.path.insert(0, FAKES)
-    if not enabled and FAKES in sys.path:
-        sys.path.remove(FAKES)
     if not enabled:
+        if FAKES in sys.path:
+            sys.path.remove(FAKES)
         sys.modules.pop("torch_atb", None)
-    registry.BACKENDS["atb"]._library = None  # look the library up again
+        sys.modules.pop("torch_npu", None)
+    for backend in registry.BACKENDS.values():
+        backend._library = None  # look the library up again
     registry.BACKENDS["atb"]._operations.clear()
     if enabled:
         import torch_atb
+        import torch_npu
 
-        torch_atb.CALLS.clear()
-        torch_atb.CREATED.clear()
+        for records in (torch_atb.CALLS, torch_atb.CREATED, torch_npu.CALLS):
+            records.clear()
 
 
 def fake_calls():
     import torch_atb
+    import torch_npu
 
-    return {"calls": list(torch_atb.CALLS), "created": list(torch_atb.CREATED)}
+    return {"calls": list(torch_atb.CALLS), "created": list(torch_atb.CREATED), "mc2": list(torch_npu.CALLS)}
 
 
 def compare_fused(kind, *, sequence_parallel, fake=True, dtype="bfloat16", layer_options=None, **options):
     """layer_cases.compare with USE_COC_FUSED_KERNEL=1 (through the fake when ``fake``)."""
     import layer_cases
 
-    use_fake_atb(fake)
+    use_fakes(fake)
     options.setdefault("hidden", 64)
     options.setdefault("ffn", 128)
     try:
@@ -48,7 +52,7 @@ def compare_fused(kind, *, sequence_parallel, fake=True, dtype="bfloat16", layer
         result["fake"] = fake_calls() if fake else None
         return result
     finally:
-        use_fake_atb(False)
+        use_fakes(False)
 
 
 def fake_rejects():
@@ -56,7 +60,7 @@ def fake_rejects():
     import torch
     import torch.distributed as dist
 
-    use_fake_atb(True)
+    use_fakes(True)
     import torch_atb
 
     def param(**fields):
@@ -93,5 +97,5 @@ def fake_rejects():
             refused[label] = None
         except RuntimeError as error:
             refused[label] = str(error)
-    use_fake_atb(False)
+    use_fakes(False)
     return refused

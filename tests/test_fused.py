@@ -101,3 +101,30 @@ def test_selftest_runs_the_fused_backend_it_finds():
     fused = dict(re.findall(r"^fused atb\s+(\S+)\s+(\S+)", proc.stdout, flags=re.M))
     assert set(fused) == {"matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul"}
     assert all(float(error) <= 2.0**-6 for error in fused.values())
+
+
+# MC2 (torch_npu) pinned with COC_FUSED_BACKEND=mc2; k >= 256 as MC2 requires.
+EXPECTED_MC2 = {
+    ("row", False): ["npu_mm_all_reduce_base"],
+    ("row", True): ["npu_mm_reduce_scatter_base", "npu_all_gather_base_mm"],
+    ("column", True): ["npu_all_gather_base_mm"],
+    ("column", False): [],
+}
+
+
+@pytest.mark.parametrize("kind,sp,options", CASES, ids=CASE_IDS)
+def test_mc2_megatron_path_tp2(pool2, kind, sp, options):
+    results = pool2.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=14, hidden=256,
+                        ffn=512, config_options={"fused_backend": "mc2"})
+    for result in results:
+        assert result["coc_calls"] == 1 and max(result["errors"].values()) <= BF16_BOUND, result["errors"]
+        assert result["fake"]["calls"] == []  # ATB never consulted when mc2 is pinned
+        assert sorted(call[0] for call in result["fake"]["mc2"]) == sorted(EXPECTED_MC2[(kind, sp)] * 2)
+
+
+def test_mc2_odd_k_falls_back_with_the_reason(pool2):
+    # Row k = ffn / TP = 64 < 256: outside MC2's k range.
+    for result in pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=False, seq=14,
+                            config_options={"fused_backend": "mc2"}):
+        assert "k=64 is outside MC2's range [256, 65535)" in result["log"]
+        assert result["fake"]["mc2"] == [] and max(result["errors"].values()) <= BF16_BOUND

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from coc_inject.fused.atb import AtbBackend
+from coc_inject.fused.mc2 import Mc2Backend
 
-BACKENDS = {backend.name: backend for backend in (AtbBackend(),)}
-NOT_WIRED = "torch_npu MC2 and CUDA symmetric-memory kernels are not wired in this version"
+BACKENDS = {backend.name: backend for backend in (AtbBackend(), Mc2Backend())}
+NOT_WIRED = "CUDA symmetric-memory kernels are not wired in this version"
 CHOICES = ("auto", "chunked", *BACKENDS)
 
 

@@ -69,6 +69,8 @@ def _tp_group(rank_size, comm_domain):
 
     me = dist.get_rank()
     for group, ranks in c10d._world.pg_group_ranks.items():
+        if not isinstance(group, dist.ProcessGroup):  # the NON_GROUP_MEMBER sentinel
+            continue
         members = sorted(ranks)
         if len(members) == rank_size and me in ranks and str(members[0] // rank_size) == comm_domain:
             return group

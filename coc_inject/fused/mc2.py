@@ -1,0 +1,86 @@
+"""torch_npu MC2 fused ops (Ascend): npu_mm_all_reduce_base, npu_mm_reduce_scatter_base,
+npu_all_gather_base_mm.
+
+Contract (docs/fused-backends.md §2): ``x1 [m, k]``, ``x2 [k, n]`` (our ``weight.t()``; a
+transposed view is accepted), fp16/bf16 for both; k in [256, 65535); world size 2, 4 or 8; the
+communicator is the group's HCCL name, ``group._get_backend(npu).get_hccl_comm_name(global
+rank)``; everything after ``hcom`` (all-reduce) or ``world_size`` is keyword-only. We pass no
+bias (mm_all_reduce would add it inside the reduction, i.e. R times; the other two take none):
+the caller adds it afterwards, as Megatron does. ``npu_all_gather_base_mm`` returns
+``(output, gathered)`` with ``gather_output=True``.
+
+Not verified on Ascend hardware: tested against a fake ``torch_npu`` that checks this contract.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+import torch.distributed as dist
+
+DTYPES = (torch.float16, torch.bfloat16)
+K_RANGE = (256, 65535)
+WORLD_SIZES = (2, 4, 8)
+OPS = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
+
+
+class Mc2Backend:
+    name = "mc2"
+    module = "torch_npu"
+
+    def __init__(self):
+        self._library = None
+
+    def unavailable(self) -> str | None:
+        if self._library is None:
+            try:
+                if importlib.util.find_spec(self.module) is None:
+                    return f"{self.module} is not installed"
+                self._library = importlib.import_module(self.module)
+            except Exception as error:  # a broken install must not stop training
+                return f"importing {self.module} failed: {type(error).__name__}: {error}"
+            if not hasattr(self._library, "npu_mm_all_reduce_base"):
+                self._library = None
+                return f"{self.module} has no MC2 ops (npu_mm_all_reduce_base)"
+        return None
+
+    @property
+    def device_type(self) -> str:
+        # The real library runs on NPUs; a test fake declares the device type it emulates.
+        return getattr(self._library, "COC_FAKE_DEVICE_TYPE", "npu")
+
+    def unsupported(self, op: str, x: torch.Tensor, weight: torch.Tensor, group) -> str | None:
+        reason = self.unavailable()
+        if reason:
+            return reason
+        if op not in OPS:
+            return f"MC2 has no {op}"
+        size, k = group.size(), x.shape[-1]
+        if size not in WORLD_SIZES:
+            return f"tensor-parallel size {size}: MC2 supports {', '.join(map(str, WORLD_SIZES))}"
+        if x.dtype not in DTYPES or weight.dtype != x.dtype:
+            return f"dtypes {x.dtype}/{weight.dtype}: MC2 takes fp16 or bf16 for both operands"
+        if not K_RANGE[0] <= k < K_RANGE[1]:
+            return f"k={k} is outside MC2's range [{K_RANGE[0]}, {K_RANGE[1]})"
+        if x.device.type != self.device_type:
+            return f"tensors on {x.device.type}, MC2 runs on {self.device_type}"
+        if op == "matmul_reduce_scatter" and x.shape[0] % size:
+            return f"m={x.shape[0]} rows do not divide by the tensor-parallel size {size}"
+        return None
+
+    def _hcom(self, group) -> str:
+        backend = group._get_backend(torch.device(self.device_type))
+        return backend.get_hccl_comm_name(dist.get_global_rank(group, group.rank()))
+
+    def run(self, op: str, x: torch.Tensor, weight: torch.Tensor, group, trans_weight: bool = True):
+        """Same calling convention as the ATB backend: ``weight [n, k]`` (``trans_weight``) or ``[k, n]``."""
+        npu, hcom, size = self._library, self._hcom(group), group.size()
+        x2 = weight.t() if trans_weight else weight
+        if op == "matmul_all_reduce":
+            return [npu.npu_mm_all_reduce_base(x, x2, hcom, reduce_op="sum")]
+        if op == "matmul_reduce_scatter":
+            return [npu.npu_mm_reduce_scatter_base(x, x2, hcom, size, reduce_op="sum")]
+        output, gathered = npu.npu_all_gather_base_mm(x, x2, hcom, size, gather_index=0, gather_output=True)
+        return [output, gathered]

@@ -1,0 +1,102 @@
+"""FAKE ``torch_npu`` exposing only the three MC2 ops, for CPU tests. NOT the real library.
+
+Checks the call contract of docs/fused-backends.md §2 / §5.2 — keyword-only arguments, the
+HCCL communicator name of the tensor-parallel group obtained with the caller's *global* rank,
+world size 2/4/8, 2-D ``x1 [m, k]`` and ``x2 [k, n]``, fp16/bf16, k in [256, 65535) — and
+computes the true result in fp32 with gloo collectives on that group. To name communicators,
+it gives gloo process groups a ``get_hccl_comm_name`` like the real HCCL backend's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+COC_FAKE_DEVICE_TYPE = "cpu"
+CALLS: list = []  # (op name, x1 shape, x2 shape, world_size)
+
+
+def _groups():
+    from torch.distributed import distributed_c10d as c10d
+
+    # Skip the NON_GROUP_MEMBER sentinel (an int) kept for groups this rank is not in.
+    return [(group, ranks) for group, ranks in c10d._world.pg_group_ranks.items()
+            if isinstance(group, dist.ProcessGroup)]
+
+
+def _comm_name(ranks) -> str:
+    return "hccl_" + "_".join(map(str, sorted(ranks)))
+
+
+def _get_hccl_comm_name(backend, rankid, init_comm=True):
+    for group, ranks in _groups():
+        if group._get_backend(torch.device("cpu")) is backend:
+            if rankid not in ranks:
+                raise RuntimeError(f"get_hccl_comm_name({rankid}): not a global rank of this group "
+                                   f"(ranks {sorted(ranks)}); pass the global rank")
+            if rankid != dist.get_rank():
+                raise RuntimeError(f"get_hccl_comm_name({rankid}) on global rank {dist.get_rank()}")
+            return _comm_name(ranks)
+    raise RuntimeError("unknown process group")
+
+
+ProcessGroupGloo.get_hccl_comm_name = _get_hccl_comm_name
+
+
+def _group_of(hcom):
+    for group, ranks in _groups():
+        if _comm_name(ranks) == hcom and dist.get_rank() in ranks:
+            return group
+    raise RuntimeError(f"hcom={hcom!r} names no process group of this rank")
+
+
+def _check(name, x1, x2, hcom, world_size=None):
+    group = _group_of(hcom)
+    if world_size is not None and world_size != group.size():
+        raise RuntimeError(f"{name}: world_size={world_size} but the communicator has {group.size()} ranks")
+    if group.size() not in (2, 4, 8):
+        raise RuntimeError(f"{name}: world size {group.size()} not in 2, 4, 8")
+    if x1.dim() != 2 or x2.dim() != 2 or x2.shape[0] != x1.shape[1]:
+        raise RuntimeError(f"{name}: expected x1 [m, k] and x2 [k, n], got {tuple(x1.shape)}, {tuple(x2.shape)}")
+    if x1.dtype not in (torch.float16, torch.bfloat16) or x2.dtype != x1.dtype:
+        raise RuntimeError(f"{name}: fp16/bf16 only, got {x1.dtype}/{x2.dtype}")
+    if not 256 <= x1.shape[1] < 65535:
+        raise RuntimeError(f"{name}: k={x1.shape[1]} outside [256, 65535)")
+    CALLS.append((name, tuple(x1.shape), tuple(x2.shape), group.size()))
+    return group
+
+
+def npu_mm_all_reduce_base(x1, x2, hcom, *, reduce_op="sum", bias=None, antiquant_scale=None,
+                           antiquant_offset=None, x3=None, dequant_scale=None, pertoken_scale=None,
+                           comm_quant_scale_1=None, comm_quant_scale_2=None, antiquant_group_size=0,
+                           comm_turn=0):
+    group = _check("npu_mm_all_reduce_base", x1, x2, hcom)
+    if reduce_op != "sum" or bias is not None or antiquant_scale is not None:
+        raise RuntimeError("fake: only reduce_op='sum' without bias/antiquant is faked")
+    y = x1.float() @ x2.float()
+    dist.all_reduce(y, group=group)
+    return y.to(x1.dtype)
+
+
+def npu_mm_reduce_scatter_base(input, x2, hcom, world_size, *, reduce_op="sum", bias=None, comm_turn=0):
+    group = _check("npu_mm_reduce_scatter_base", input, x2, hcom, world_size)
+    if reduce_op != "sum" or bias is not None:
+        raise RuntimeError("npu_mm_reduce_scatter_base: bias is not supported")
+    if input.shape[0] % world_size:
+        raise RuntimeError(f"m={input.shape[0]} must divide by world_size={world_size}")
+    y = input.float() @ x2.float()
+    out = torch.empty(y.shape[0] // world_size, y.shape[1])
+    dist.reduce_scatter_tensor(out, y, group=group)
+    return out.to(input.dtype)
+
+
+def npu_all_gather_base_mm(input, x2, hcom, world_size, *, bias=None, gather_index=0, gather_output=True,
+                           comm_turn=0):
+    group = _check("npu_all_gather_base_mm", input, x2, hcom, world_size)
+    if bias is not None or gather_index != 0:
+        raise RuntimeError("npu_all_gather_base_mm: bias unsupported; gather_index 0 (x1) faked only")
+    gathered = torch.empty(input.shape[0] * world_size, input.shape[1])
+    dist.all_gather_into_tensor(gathered, input.float().contiguous(), group=group)
+    out = (gathered @ x2.float()).to(input.dtype)
+    return out, (gathered.to(input.dtype) if gather_output else torch.empty(0, dtype=input.dtype))
