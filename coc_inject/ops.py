@@ -11,6 +11,11 @@ rows are every dim but the last. Each op runs the chunked compute/communication 
   ``[r*m/TP, (r+1)*m/TP)`` (RowParallel with SP). m must divide by the group size.
 * ``all_gather_matmul``: ``AllGather_rows(x) @ Wᵀ + bias`` (ColumnParallel with SP);
   ``return_gathered=True`` also returns the gathered input ("ALL_GATHER_MATMUL_V2").
+
+``backend``: "chunked" (default, the reference pipeline), "auto" (the first fused backend that can
+run the call, else chunked with one line why), or a fused backend's name ("atb", "mc2"). w8a16
+through a fused kernel: MC2 only (``npu_mm_all_reduce_base`` antiquant), and only without
+autograd (inference); otherwise the weight is dequantised and the pipeline runs.
 """
 
 from __future__ import annotations
@@ -18,7 +23,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from coc_inject.pipeline.functions import AllGatherMatmul, MatmulAllReduce, MatmulReduceScatter
+import logging
+
+from coc_inject import log
+from coc_inject.pipeline.functions import (
+    AllGatherMatmul,
+    FusedAllGatherMatmul,
+    FusedKernel,
+    FusedMatmulAllReduce,
+    FusedMatmulReduceScatter,
+    MatmulAllReduce,
+    MatmulReduceScatter,
+)
 from coc_inject.pipeline.matmul import MatmulLayout
 
 _PLAIN = MatmulLayout()
@@ -35,6 +51,21 @@ def _with_bias(output, bias):
 def _check_chunks(chunks):
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         raise ValueError(f"chunks={chunks!r} is invalid: expected an integer >= 1")
+
+
+def _fused(op, x2d, weight, group, backend):
+    """The fused backend for this call, or None (chunked): ``backend`` as in the module doc."""
+    from coc_inject.fused import registry
+
+    if backend == "chunked":
+        return None
+    if backend not in registry.CHOICES:
+        raise ValueError(f"backend={backend!r} is invalid: expected one of {', '.join(registry.CHOICES)}")
+    chosen, why = registry.choose(op, x2d, weight, group, backend)
+    if chosen is None:
+        log.once(("ops-fused-unavailable", op, why), logging.WARNING,
+                 f"coc_inject.ops.{op}: no fused backend can run this call ({why}); using the chunked pipeline")
+    return chosen
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None,
@@ -71,32 +102,58 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, offset: torch.T
     return dequantized * expand(scale.to(dtype))
 
 
-def matmul_all_reduce(x, weight, group=None, *, bias=None, chunks: int = 4, antiquant_scale=None,
-                      antiquant_offset=None, antiquant_group_size: int = 0):
+def matmul_all_reduce(x, weight, group=None, *, bias=None, chunks: int = 4, backend: str = "chunked",
+                      antiquant_scale=None, antiquant_offset=None, antiquant_group_size: int = 0):
     _check_chunks(chunks)
+    group = _group(group)
+    x2d = x.reshape(-1, x.shape[-1])
     if weight.dtype == torch.int8:
         if antiquant_scale is None:
             raise ValueError("an int8 weight needs antiquant_scale (w8a16)")
+        antiquant = {"scale": antiquant_scale, "offset": antiquant_offset, "group_size": antiquant_group_size}
+        inference = not (torch.is_grad_enabled() and x.requires_grad)
+        fused = _fused("matmul_all_reduce_w8a16", x2d, weight, group, backend) if inference else None
+        if fused is not None:
+            (out,) = fused.run("matmul_all_reduce", x2d, weight, group, antiquant=antiquant)
+            return _with_bias(out.view(*x.shape[:-1], -1), bias)
         weight = dequantize_weight(weight, antiquant_scale, antiquant_offset, antiquant_group_size, x.dtype)
-    output = MatmulAllReduce.apply(x, weight, chunks, _group(group), False, _PLAIN)
+    fused = _fused("matmul_all_reduce", x2d, weight, group, backend)
+    if fused is not None:
+        output = FusedMatmulAllReduce.apply(x2d, weight, FusedKernel(fused, chunks), group, False, _PLAIN)
+        return _with_bias(output.view(*x.shape[:-1], -1), bias)
+    output = MatmulAllReduce.apply(x, weight, chunks, group, False, _PLAIN)
     return _with_bias(output, bias)
 
 
-def matmul_reduce_scatter(x, weight, group=None, *, bias=None, chunks: int = 4):
+def matmul_reduce_scatter(x, weight, group=None, *, bias=None, chunks: int = 4, backend: str = "chunked"):
     _check_chunks(chunks)
     group = _group(group)
     rows = x.shape[0]
     if rows % group.size():
         raise ValueError(f"x.shape[0]={rows} is invalid for matmul_reduce_scatter: expected a multiple of "
                          f"the group size {group.size()}")
+    x2d = x.reshape(-1, x.shape[-1])
+    fused = _fused("matmul_reduce_scatter", x2d, weight, group, backend)
+    if fused is not None:
+        output = FusedMatmulReduceScatter.apply(x2d, weight, FusedKernel(fused, chunks), group, False, _PLAIN)
+        return _with_bias(output.view(rows // group.size(), *x.shape[1:-1], -1), bias)
     return _with_bias(MatmulReduceScatter.apply(x, weight, chunks, group, False, _PLAIN), bias)
 
 
-def all_gather_matmul(x, weight, group=None, *, bias=None, chunks: int = 4, return_gathered: bool = False):
+def all_gather_matmul(x, weight, group=None, *, bias=None, chunks: int = 4, return_gathered: bool = False,
+                      backend: str = "chunked"):
     _check_chunks(chunks)
     group = _group(group)
+    x2d = x.reshape(-1, x.shape[-1])
+    fused = _fused("all_gather_matmul", x2d, weight, group, backend)
     # Keep the gathered input from forward for wgrad when the caller wants it anyway.
-    output, gathered = AllGatherMatmul.apply(x, weight, chunks, group, False, _PLAIN, not return_gathered)
+    recompute = not return_gathered
+    if fused is not None:
+        output, gathered = FusedAllGatherMatmul.apply(x2d, weight, FusedKernel(fused, chunks), group, False,
+                                                      _PLAIN, recompute)
+        output = output.view(x.shape[0] * group.size(), *x.shape[1:-1], -1)
+    else:
+        output, gathered = AllGatherMatmul.apply(x, weight, chunks, group, False, _PLAIN, recompute)
     output = _with_bias(output, bias)
     if not return_gathered:
         return output

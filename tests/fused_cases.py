@@ -99,3 +99,16 @@ def fake_rejects():
             refused[label] = str(error)
     use_fakes(False)
     return refused
+
+
+def ops_through(backend, check, **kwargs):
+    """ops_cases.<check> with ``backend=`` and the fakes installed; adds the fakes' call records."""
+    import ops_cases
+
+    use_fakes(True)
+    try:
+        result = getattr(ops_cases, check)(backend=backend, **kwargs)
+        result["fake"] = fake_calls()
+        return result
+    finally:
+        use_fakes(False)

@@ -31,7 +31,7 @@ def _tensors(rows, k, n, seed, dtype=torch.float32, same_x=False):
     return x, weight, bias
 
 
-def check_op(op, *, chunks, rows=13, k=16, n=24, seed=0, dtype="float32"):
+def check_op(op, *, chunks, rows=13, k=16, n=24, seed=0, dtype="float32", backend="chunked"):
     """Output and gradients of one op against dense float64 math on the gathered operands."""
     dtype = DTYPES[dtype]
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -40,7 +40,7 @@ def check_op(op, *, chunks, rows=13, k=16, n=24, seed=0, dtype="float32"):
     weight.requires_grad_(True)
     grad_seed = torch.Generator().manual_seed(seed + 11 + rank)
     if op == "matmul_all_reduce":
-        out = ops.matmul_all_reduce(x, weight, bias=bias, chunks=chunks)
+        out = ops.matmul_all_reduce(x, weight, bias=bias, chunks=chunks, backend=backend)
         xs, ws = _gather(x.detach()), _gather(weight.detach())
         expected = sum(xi.double() @ wi.double().t() for xi, wi in zip(xs, ws)) + bias.double()
         grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 11)).to(dtype)
@@ -48,7 +48,7 @@ def check_op(op, *, chunks, rows=13, k=16, n=24, seed=0, dtype="float32"):
         expected_dw = grad.double().reshape(-1, n).t() @ x.detach().double().reshape(-1, k)
         extra = {}
     elif op == "matmul_reduce_scatter":
-        out = ops.matmul_reduce_scatter(x, weight, bias=bias, chunks=chunks)
+        out = ops.matmul_reduce_scatter(x, weight, bias=bias, chunks=chunks, backend=backend)
         xs, ws = _gather(x.detach()), _gather(weight.detach())
         full = sum(xi.double() @ wi.double().t() for xi, wi in zip(xs, ws))
         block = rows // world
@@ -59,7 +59,8 @@ def check_op(op, *, chunks, rows=13, k=16, n=24, seed=0, dtype="float32"):
         expected_dw = grad_full.reshape(-1, n).t() @ x.detach().double().reshape(-1, k)
         extra = {}
     else:  # all_gather_matmul (V2)
-        out, gathered = ops.all_gather_matmul(x, weight, bias=bias, chunks=chunks, return_gathered=True)
+        out, gathered = ops.all_gather_matmul(x, weight, bias=bias, chunks=chunks, return_gathered=True,
+                                              backend=backend)
         xs = _gather(x.detach())
         full_x = torch.cat([xi.double() for xi in xs])
         expected = full_x @ weight.detach().double().t() + bias.double()
@@ -74,7 +75,8 @@ def check_op(op, *, chunks, rows=13, k=16, n=24, seed=0, dtype="float32"):
             "weight_grad": _rel(weight.grad, expected_dw), **extra}
 
 
-def check_w8a16(*, granularity, dtype, chunks=3, rows=10, k=40, n=24, group_size=16, with_offset=True):
+def check_w8a16(*, granularity, dtype, chunks=3, rows=10, k=40, n=24, group_size=16, with_offset=True,
+                backend="chunked"):
     """int8 weight + antiquant scale/offset vs dequantise-then-matmul, summed over ranks."""
     dtype = DTYPES[dtype]
     rank = dist.get_rank()
@@ -86,7 +88,7 @@ def check_w8a16(*, granularity, dtype, chunks=3, rows=10, k=40, n=24, group_size
     offset = torch.randint(-8, 8, shape, generator=gen).to(dtype) if with_offset else None
     group_arg = group_size if granularity == "group" else 0
     out = ops.matmul_all_reduce(x, weight, antiquant_scale=scale, antiquant_offset=offset,
-                                antiquant_group_size=group_arg, chunks=chunks)
+                                antiquant_group_size=group_arg, chunks=chunks, backend=backend)
     # Independent reference: dequantise column by column with explicit loops over groups.
     w = weight.double()
     columns = []

@@ -128,3 +128,23 @@ def test_mc2_odd_k_falls_back_with_the_reason(pool2):
                             config_options={"fused_backend": "mc2"}):
         assert "k=64 is outside MC2's range [256, 65535)" in result["log"]
         assert result["fake"]["mc2"] == [] and max(result["errors"].values()) <= BF16_BOUND
+
+
+@pytest.mark.parametrize("backend", ["atb", "mc2"])
+@pytest.mark.parametrize("op", ["matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul"])
+def test_public_ops_through_fused_backends(pool2, backend, op):
+    rows = 14 if op == "matmul_reduce_scatter" else 13
+    for result in pool2.run("fused_cases:ops_through", backend=backend, check="check_op", op=op, chunks=3,
+                            rows=rows, k=256, n=48, dtype="bfloat16"):
+        fake = result.pop("fake")
+        assert max(result.values()) <= BF16_BOUND, result
+        used = fake["calls"] if backend == "atb" else fake["mc2"]
+        assert used, "the fused kernel was not called"
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "group"])
+def test_w8a16_through_mc2(pool2, granularity):
+    for result in pool2.run("fused_cases:ops_through", backend="mc2", check="check_w8a16",
+                            granularity=granularity, dtype="bfloat16", k=320, group_size=64):
+        assert result["error"] <= 2.0**-6, result
+        assert [call[4] for call in result["fake"]["mc2"]] == ["torch.int8"]  # one fused int8 call

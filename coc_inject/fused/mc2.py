@@ -55,13 +55,16 @@ class Mc2Backend:
         reason = self.unavailable()
         if reason:
             return reason
-        if op not in OPS:
+        w8a16 = op == "matmul_all_reduce_w8a16"
+        if op not in OPS and not w8a16:
             return f"MC2 has no {op}"
         size, k = group.size(), x.shape[-1]
         if size not in WORLD_SIZES:
             return f"tensor-parallel size {size}: MC2 supports {', '.join(map(str, WORLD_SIZES))}"
-        if x.dtype not in DTYPES or weight.dtype != x.dtype:
-            return f"dtypes {x.dtype}/{weight.dtype}: MC2 takes fp16 or bf16 for both operands"
+        expected_weight = torch.int8 if w8a16 else x.dtype
+        if x.dtype not in DTYPES or weight.dtype != expected_weight:
+            return (f"dtypes {x.dtype}/{weight.dtype}: MC2 takes fp16 or bf16 activations with a weight of "
+                    f"the same dtype, or int8 for w8a16")
         if not K_RANGE[0] <= k < K_RANGE[1]:
             return f"k={k} is outside MC2's range [{K_RANGE[0]}, {K_RANGE[1]})"
         if x.device.type != self.device_type:
@@ -74,11 +77,18 @@ class Mc2Backend:
         backend = group._get_backend(torch.device(self.device_type))
         return backend.get_hccl_comm_name(dist.get_global_rank(group, group.rank()))
 
-    def run(self, op: str, x: torch.Tensor, weight: torch.Tensor, group, trans_weight: bool = True):
-        """Same calling convention as the ATB backend: ``weight [n, k]`` (``trans_weight``) or ``[k, n]``."""
+    def run(self, op: str, x: torch.Tensor, weight: torch.Tensor, group, trans_weight: bool = True,
+            antiquant: dict | None = None):
+        """Same calling convention as the ATB backend: ``weight [n, k]`` (``trans_weight``) or ``[k, n]``.
+        ``antiquant`` (w8a16, mm+all-reduce): int8 weight with scale/offset in MC2's shapes
+        ([1], [n], or [ceil(k/g), n] with ``group_size`` g)."""
         npu, hcom, size = self._library, self._hcom(group), group.size()
         x2 = weight.t() if trans_weight else weight
         if op == "matmul_all_reduce":
+            if antiquant is not None:
+                return [npu.npu_mm_all_reduce_base(
+                    x, x2, hcom, reduce_op="sum", antiquant_scale=antiquant["scale"],
+                    antiquant_offset=antiquant["offset"], antiquant_group_size=antiquant["group_size"])]
             return [npu.npu_mm_all_reduce_base(x, x2, hcom, reduce_op="sum")]
         if op == "matmul_reduce_scatter":
             return [npu.npu_mm_reduce_scatter_base(x, x2, hcom, size, reduce_op="sum")]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 COC_FAKE_DEVICE_TYPE = "cpu"
-CALLS: list = []  # (op name, x1 shape, x2 shape, world_size)
+CALLS: list = []  # (op name, x1 shape, x2 shape, world_size, x2 dtype)
 
 
 def _groups():
@@ -51,7 +51,7 @@ def _group_of(hcom):
     raise RuntimeError(f"hcom={hcom!r} names no process group of this rank")
 
 
-def _check(name, x1, x2, hcom, world_size=None):
+def _check(name, x1, x2, hcom, world_size=None, weight_dtype=None):
     group = _group_of(hcom)
     if world_size is not None and world_size != group.size():
         raise RuntimeError(f"{name}: world_size={world_size} but the communicator has {group.size()} ranks")
@@ -59,11 +59,11 @@ def _check(name, x1, x2, hcom, world_size=None):
         raise RuntimeError(f"{name}: world size {group.size()} not in 2, 4, 8")
     if x1.dim() != 2 or x2.dim() != 2 or x2.shape[0] != x1.shape[1]:
         raise RuntimeError(f"{name}: expected x1 [m, k] and x2 [k, n], got {tuple(x1.shape)}, {tuple(x2.shape)}")
-    if x1.dtype not in (torch.float16, torch.bfloat16) or x2.dtype != x1.dtype:
-        raise RuntimeError(f"{name}: fp16/bf16 only, got {x1.dtype}/{x2.dtype}")
+    if x1.dtype not in (torch.float16, torch.bfloat16) or x2.dtype != (weight_dtype or x1.dtype):
+        raise RuntimeError(f"{name}: fp16/bf16 only (int8 x2 for w8a16), got {x1.dtype}/{x2.dtype}")
     if not 256 <= x1.shape[1] < 65535:
         raise RuntimeError(f"{name}: k={x1.shape[1]} outside [256, 65535)")
-    CALLS.append((name, tuple(x1.shape), tuple(x2.shape), group.size()))
+    CALLS.append((name, tuple(x1.shape), tuple(x2.shape), group.size(), str(x2.dtype)))
     return group
 
 
@@ -71,10 +71,27 @@ def npu_mm_all_reduce_base(x1, x2, hcom, *, reduce_op="sum", bias=None, antiquan
                            antiquant_offset=None, x3=None, dequant_scale=None, pertoken_scale=None,
                            comm_quant_scale_1=None, comm_quant_scale_2=None, antiquant_group_size=0,
                            comm_turn=0):
-    group = _check("npu_mm_all_reduce_base", x1, x2, hcom)
-    if reduce_op != "sum" or bias is not None or antiquant_scale is not None:
-        raise RuntimeError("fake: only reduce_op='sum' without bias/antiquant is faked")
-    y = x1.float() @ x2.float()
+    quantised = antiquant_scale is not None
+    group = _check("npu_mm_all_reduce_base", x1, x2, hcom, weight_dtype=torch.int8 if quantised else None)
+    if reduce_op != "sum" or bias is not None or x3 is not None or dequant_scale is not None:
+        raise RuntimeError("fake: only reduce_op='sum' without bias/x3/dequant is faked")
+    weight = x2.float()
+    if quantised:  # w8a16: (x2 + offset) * scale, broadcast per tensor [1], channel [n], group [ceil(k/g), n]
+        k, n = x2.shape
+        def expand(t):
+            t = t.float()
+            if antiquant_group_size:
+                if antiquant_group_size % 32 or tuple(t.shape) != (-(-k // antiquant_group_size), n):
+                    raise RuntimeError(f"per-group antiquant: group size {antiquant_group_size} (multiple of 32) "
+                                       f"and shape [ceil(k/g), n] required, got {tuple(t.shape)}")
+                return t.repeat_interleave(antiquant_group_size, dim=0)[:k]
+            if t.numel() == 1 or tuple(t.shape) in ((n,), (1, n)):
+                return t.reshape(1, -1)
+            raise RuntimeError(f"antiquant shape {tuple(t.shape)}: expected [1], [n], [1, n] or [ceil(k/g), n]")
+        if antiquant_offset is not None:
+            weight = weight + expand(antiquant_offset)
+        weight = weight * expand(antiquant_scale)
+    y = x1.float() @ weight
     dist.all_reduce(y, group=group)
     return y.to(x1.dtype)
 
