@@ -125,7 +125,6 @@ def cmd_status(args) -> int:
 
     for name, why_not in registry.status().items():
         print(f"fused {name:<11} : {'usable' if why_not is None else 'not usable: ' + why_not}")
-    print(f"fused (others)    : {registry.NOT_WIRED}")
     errors = config_module.validate_all()
     print("configuration     :", "INVALID" if errors else "ok")
     for error in errors:

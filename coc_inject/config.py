@@ -75,7 +75,7 @@ CUSTOMIZED_ALLOWED = (
 )
 LOG_LEVEL_ALLOWED = ", ".join(LOG_LEVELS) + " (any case)"
 # Kept in step with coc_inject.fused.registry.CHOICES (a test checks); this module stays torch-free.
-FUSED_BACKENDS = ("auto", "chunked", "atb", "mc2")
+FUSED_BACKENDS = ("auto", "chunked", "atb", "mc2", "symm_mem")
 FUSED_BACKEND_ALLOWED = ", ".join(FUSED_BACKENDS) + " (any case)"
 FLAG_NEEDS_USE_ASCEND_COC = "--use-ascend-coc alongside it (MindSpeed only honours the CoC flags with --use-ascend-coc)"
 
@@ -270,8 +270,9 @@ ENV_REFERENCE = (
             "JSON file in MindSpeed's coc_cfgs format; each environment variable overrides its own key."),
     Setting("COC_LOG_LEVEL", _DEFAULTS.log_level, LOG_LEVEL_ALLOWED, "Verbosity of the [coc-inject] stderr lines."),
     Setting("COC_FUSED_BACKEND", _DEFAULTS.fused_backend, FUSED_BACKEND_ALLOWED,
-            "With USE_COC_FUSED_KERNEL: auto = the first fused backend that can run the call (atb, then "
-            "mc2); atb = only Ascend ATB lcoc; mc2 = only torch_npu MC2; chunked = never a fused kernel."),
+            "With USE_COC_FUSED_KERNEL: auto = the first fused backend that can run the call (atb, mc2, "
+            "symm_mem); atb / mc2 / symm_mem = only that one (Ascend ATB lcoc, torch_npu MC2, CUDA symmetric "
+            "memory); chunked = never a fused kernel."),
     Setting("COC_DETERMINISTIC", _shown(_DEFAULTS.deterministic), BOOL_ALLOWED,
             "Ask the fused backend for its deterministic mode (ATB: sets LCCL_DETERMINISTIC=1 before the "
             "first kernel); the chunked pipeline is always deterministic."),

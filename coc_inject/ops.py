@@ -13,7 +13,8 @@ rows are every dim but the last. Each op runs the chunked compute/communication 
   ``return_gathered=True`` also returns the gathered input ("ALL_GATHER_MATMUL_V2").
 
 ``backend``: "chunked" (default, the reference pipeline), "auto" (the first fused backend that can
-run the call, else chunked with one line why), or a fused backend's name ("atb", "mc2"). w8a16
+run the call, else chunked with one line why), or a fused backend's name ("atb", "mc2",
+"symm_mem"). w8a16
 through a fused kernel: MC2 only (``npu_mm_all_reduce_base`` antiquant), and only without
 autograd (inference); otherwise the weight is dequantised and the pipeline runs.
 """

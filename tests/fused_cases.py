@@ -8,12 +8,19 @@ from pathlib import Path
 FAKES = str(Path(__file__).resolve().parent / "fakes")
 
 
-def use_fakes(enabled: bool = True):
-    """Put the fake torch_atb and torch_npu on sys.path (or take them off); clear their records."""
+def use_fakes(enabled: bool = True, symm_mem: bool = False):
+    """Put the fake torch_atb and torch_npu on sys.path (or take them off), register the fake CPU
+    symm_mem kernels if ``symm_mem`` (else remove them); clear their records."""
     from coc_inject.fused import registry
 
-    if enabled and FAKES not in sys.path:
+    if FAKES not in sys.path:
         sys.path.insert(0, FAKES)
+    import symm_mem_cpu
+
+    if enabled and symm_mem:
+        symm_mem_cpu.register()
+    else:
+        symm_mem_cpu.unregister()
     if not enabled:
         if FAKES in sys.path:
             sys.path.remove(FAKES)
@@ -31,17 +38,20 @@ def use_fakes(enabled: bool = True):
 
 
 def fake_calls():
+    import symm_mem_cpu
     import torch_atb
     import torch_npu
 
-    return {"calls": list(torch_atb.CALLS), "created": list(torch_atb.CREATED), "mc2": list(torch_npu.CALLS)}
+    return {"calls": list(torch_atb.CALLS), "created": list(torch_atb.CREATED), "mc2": list(torch_npu.CALLS),
+            "symm_mem": list(symm_mem_cpu.CALLS)}
 
 
-def compare_fused(kind, *, sequence_parallel, fake=True, dtype="bfloat16", layer_options=None, **options):
-    """layer_cases.compare with USE_COC_FUSED_KERNEL=1 (through the fake when ``fake``)."""
+def compare_fused(kind, *, sequence_parallel, fake=True, dtype="bfloat16", layer_options=None, symm_mem=False,
+                  **options):
+    """layer_cases.compare with USE_COC_FUSED_KERNEL=1 (through the fakes when ``fake``)."""
     import layer_cases
 
-    use_fakes(fake)
+    use_fakes(fake, symm_mem)
     options.setdefault("hidden", 64)
     options.setdefault("ffn", 128)
     try:
@@ -105,7 +115,7 @@ def ops_through(backend, check, **kwargs):
     """ops_cases.<check> with ``backend=`` and the fakes installed; adds the fakes' call records."""
     import ops_cases
 
-    use_fakes(True)
+    use_fakes(True, symm_mem=backend == "symm_mem")
     try:
         result = getattr(ops_cases, check)(backend=backend, **kwargs)
         result["fake"] = fake_calls()

@@ -692,7 +692,7 @@ def test_fused_backend_choices(text, expected):
 
 def test_fused_backend_rejects_unknown_names():
     err = error_of({"COC_FUSED_BACKEND": "mc3"})
-    assert str(err) == "COC_FUSED_BACKEND='mc3' is invalid: expected auto, chunked, atb, mc2 (any case)"
+    assert str(err) == "COC_FUSED_BACKEND='mc3' is invalid: expected auto, chunked, atb, mc2, symm_mem (any case)"
 
 
 def test_deterministic_flag_and_fingerprint():

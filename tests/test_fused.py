@@ -148,3 +148,42 @@ def test_w8a16_through_mc2(pool2, granularity):
                             granularity=granularity, dtype="bfloat16", k=320, group_size=64):
         assert result["error"] <= 2.0**-6, result
         assert [call[4] for call in result["fake"]["mc2"]] == ["torch.int8"]  # one fused int8 call
+
+
+# CUDA symmetric memory through fake CPU kernels (tests/fakes/symm_mem_cpu.py), pinned.
+EXPECTED_SYMM_MEM = {
+    ("row", True): ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"],
+    ("column", True): ["fused_all_gather_matmul"],
+}
+
+
+@pytest.mark.parametrize("kind,sp", [("row", True), ("column", True)], ids=["row-sp", "column-sp"])
+def test_symm_mem_megatron_path_tp2(pool2, kind, sp):
+    for result in pool2.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=14, symm_mem=True,
+                            config_options={"fused_backend": "symm_mem"}):
+        assert result["coc_calls"] == 1 and max(result["errors"].values()) <= BF16_BOUND, result["errors"]
+        assert sorted(call[0] for call in result["fake"]["symm_mem"]) == sorted(EXPECTED_SYMM_MEM[(kind, sp)] * 2)
+
+
+def test_symm_mem_has_no_matmul_all_reduce(pool2):
+    for result in pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=False, seq=14,
+                            symm_mem=True, config_options={"fused_backend": "symm_mem"}):
+        assert "CUDA symmetric memory has no fused matmul_all_reduce" in result["log"]
+        assert result["fake"]["symm_mem"] == [] and max(result["errors"].values()) <= BF16_BOUND
+
+
+def test_symm_mem_without_a_device_kernel_says_cuda_only(pool2):
+    for result in pool2.run("fused_cases:compare_fused", kind="column", sequence_parallel=True, seq=14,
+                            config_options={"fused_backend": "symm_mem"}):
+        assert "symm_mem: no CUDA device (the symm_mem fused kernels are CUDA only)" in result["log"]
+        assert max(result["errors"].values()) <= BF16_BOUND
+
+
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
+def test_public_ops_through_symm_mem(pool2, op):
+    rows = 14 if op == "matmul_reduce_scatter" else 13
+    for result in pool2.run("fused_cases:ops_through", backend="symm_mem", check="check_op", op=op, chunks=3,
+                            rows=rows, k=64, n=48, dtype="bfloat16"):
+        fake = result.pop("fake")
+        assert max(result.values()) <= BF16_BOUND, result
+        assert fake["symm_mem"], "the fused kernel was not called"

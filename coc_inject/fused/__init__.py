@@ -2,6 +2,6 @@
 
 Backends are tried in order for each call; one that cannot run it says why (once) and the
 next is tried; with none left the chunked pipeline runs. ``COC_FUSED_BACKEND`` pins one.
-This version wires Ascend ATB "lcoc" LinearParallel (``torch_atb``) and torch_npu's MC2 ops;
-the CUDA symmetric-memory kernels are documented in docs/fused-backends.md, not wired yet.
+Backends: Ascend ATB "lcoc" LinearParallel (``torch_atb``), torch_npu's MC2 ops, and CUDA
+symmetric memory (``torch.ops.symm_mem``); contracts and sources in docs/fused-backends.md.
 """

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from coc_inject.fused.atb import AtbBackend
 from coc_inject.fused.mc2 import Mc2Backend
+from coc_inject.fused.symm_mem import SymmMemBackend
 
-BACKENDS = {backend.name: backend for backend in (AtbBackend(), Mc2Backend())}
-NOT_WIRED = "CUDA symmetric-memory kernels are not wired in this version"
+BACKENDS = {backend.name: backend for backend in (AtbBackend(), Mc2Backend(), SymmMemBackend())}
 CHOICES = ("auto", "chunked", *BACKENDS)
 
 
@@ -21,8 +21,6 @@ def choose(op: str, x, weight, group, pinned: str = "auto"):
         if reason is None:
             return backend, None
         reasons.append(f"{backend.name}: {reason}")
-    if pinned == "auto":
-        reasons.append(NOT_WIRED)
     return None, "; ".join(reasons)
 
 
