@@ -274,8 +274,9 @@ ENV_REFERENCE = (
             "symm_mem); atb / mc2 / symm_mem = only that one (Ascend ATB lcoc, torch_npu MC2, CUDA symmetric "
             "memory); chunked = never a fused kernel."),
     Setting("COC_DETERMINISTIC", _shown(_DEFAULTS.deterministic), BOOL_ALLOWED,
-            "Ask the fused backend for its deterministic mode (ATB: sets LCCL_DETERMINISTIC=1 before the "
-            "first kernel); the chunked pipeline is always deterministic."),
+            "Ask the fused backends for their deterministic mode (sets LCCL_DETERMINISTIC=1 for ATB and "
+            "HCCL_DETERMINISTIC=true for HCCL/MC2 before the first kernel); the chunked pipeline is always "
+            "deterministic."),
 )
 _ALLOWED = {s.name: s.allowed for s in ENV_REFERENCE + FILE_REFERENCE}
 

@@ -84,8 +84,11 @@ class CocEngine:
         self.layout = MatmulLayout.from_config(config)
         self.calls = 0
         if config.deterministic:
-            # Read by ATB when it builds its first LCCL communicator, so set it before any kernel.
-            os.environ["LCCL_DETERMINISTIC"] = "1"  # CoC calls made (status / tests); fallbacks are not counted
+            # Read when the first communicator is built, so set before any kernel: ATB's LCCL
+            # (deterministic tiling of its all-reduce) and HCCL (deterministic reductions; whether
+            # that covers the MC2 ops is unconfirmed, docs/fused-backends.md §4).
+            os.environ["LCCL_DETERMINISTIC"] = "1"
+            os.environ["HCCL_DETERMINISTIC"] = "true"  # CoC calls made (status / tests); fallbacks are not counted
 
     # -- helpers ---------------------------------------------------------------------------
     def _fall_back(self, layer, fallback: Fallback, original: Callable, *args, **kwargs):

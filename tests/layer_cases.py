@@ -146,8 +146,8 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
                         **(layer_options or {}))
     x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype=dtype)
     reference, ref_fwd, ref_bwd = run_layer(layer, x, forward_kwargs)
-    config = CocConfig(parallel_num=chunks, recompute_all_gather=recompute_all_gather,
-                       enable_coc_in_column_backward=enable_coc_in_column_backward, **(config_options or {}))
+    config = CocConfig(**{"parallel_num": chunks, "recompute_all_gather": recompute_all_gather,
+                          "enable_coc_in_column_backward": enable_coc_in_column_backward, **(config_options or {})})
     assert patching.install(config)
     said = io.StringIO()
     handler = logging.StreamHandler(said)

@@ -143,10 +143,11 @@ def test_public_ops_through_fused_backends(pool2, backend, op):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "channel", "group"])
-def test_w8a16_through_mc2(pool2, granularity):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_w8a16_through_mc2(pool2, granularity, dtype):
     for result in pool2.run("fused_cases:ops_through", backend="mc2", check="check_w8a16",
-                            granularity=granularity, dtype="bfloat16", k=320, group_size=64):
-        assert result["error"] <= 2.0**-6, result
+                            granularity=granularity, dtype=dtype, k=320, group_size=64):
+        assert result["error"] <= (2.0**-6 if dtype == "bfloat16" else 2.0**-9), result
         assert [call[4] for call in result["fake"]["mc2"]] == ["torch.int8"]  # one fused int8 call
 
 
@@ -187,3 +188,14 @@ def test_public_ops_through_symm_mem(pool2, op):
         fake = result.pop("fake")
         assert max(result.values()) <= BF16_BOUND, result
         assert fake["symm_mem"], "the fused kernel was not called"
+
+
+def test_customized_minus_one_fuses_only_that_shape(pool2):
+    # Row forward shape [m, k, n] = [seq*batch, ffn/TP, hidden] = [28, 64, 64]: fused; others chunked.
+    results = pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=False, seq=14,
+                        config_options={"fused": False, "parallel_num": 3, "customized_coc": {(28, 64, 64): -1}})
+    check_fused(results, "row", False)
+    other = pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=False, seq=13,
+                      config_options={"fused": False, "parallel_num": 3, "customized_coc": {(28, 64, 64): -1}})
+    for result in other:
+        assert result["fake"]["calls"] == [] and result["coc_counts"][0] == {"all_reduce": 3}
