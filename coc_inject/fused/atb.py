@@ -15,11 +15,10 @@ Not verified on Ascend hardware: tested against a fake ``torch_atb`` that checks
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import torch
 import torch.distributed as dist
+
+from coc_inject.fused.npu_library import NpuLibraryBackend
 
 TYPES = {
     "matmul_all_reduce": "LINEAR_ALL_REDUCE",
@@ -29,29 +28,14 @@ TYPES = {
 DTYPES = (torch.float16, torch.bfloat16)
 
 
-class AtbBackend:
+class AtbBackend(NpuLibraryBackend):
     name = "atb"
     module = "torch_atb"
+    install_hint = " (CANN-NNAL ATB)"
 
     def __init__(self):
-        self._library = None
+        super().__init__()
         self._operations = {}
-
-    def unavailable(self) -> str | None:
-        """Why this backend cannot run in this process at all, or None."""
-        if self._library is None:
-            try:
-                if importlib.util.find_spec(self.module) is None:
-                    return f"{self.module} is not installed (CANN-NNAL ATB)"
-                self._library = importlib.import_module(self.module)
-            except Exception as error:  # a broken install must not stop training
-                return f"importing {self.module} failed: {type(error).__name__}: {error}"
-        return None
-
-    @property
-    def device_type(self) -> str:
-        # The real library runs on NPUs; a test fake declares the device type it emulates.
-        return getattr(self._library, "COC_FAKE_DEVICE_TYPE", "npu")
 
     def unsupported(self, op: str, x: torch.Tensor, weight: torch.Tensor, group) -> str | None:
         """Why this call is outside the kernel's limits, or None. ``x`` is 2-D ``[m, k]``."""

@@ -14,11 +14,10 @@ Not verified on Ascend hardware: tested against a fake ``torch_npu`` that checks
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import torch
 import torch.distributed as dist
+
+from coc_inject.fused.npu_library import NpuLibraryBackend
 
 DTYPES = (torch.float16, torch.bfloat16)
 K_RANGE = (256, 65535)
@@ -26,30 +25,10 @@ WORLD_SIZES = (2, 4, 8)
 OPS = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
 
 
-class Mc2Backend:
+class Mc2Backend(NpuLibraryBackend):
     name = "mc2"
     module = "torch_npu"
-
-    def __init__(self):
-        self._library = None
-
-    def unavailable(self) -> str | None:
-        if self._library is None:
-            try:
-                if importlib.util.find_spec(self.module) is None:
-                    return f"{self.module} is not installed"
-                self._library = importlib.import_module(self.module)
-            except Exception as error:  # a broken install must not stop training
-                return f"importing {self.module} failed: {type(error).__name__}: {error}"
-            if not hasattr(self._library, "npu_mm_all_reduce_base"):
-                self._library = None
-                return f"{self.module} has no MC2 ops (npu_mm_all_reduce_base)"
-        return None
-
-    @property
-    def device_type(self) -> str:
-        # The real library runs on NPUs; a test fake declares the device type it emulates.
-        return getattr(self._library, "COC_FAKE_DEVICE_TYPE", "npu")
+    required_attribute = "npu_mm_all_reduce_base"
 
     def unsupported(self, op: str, x: torch.Tensor, weight: torch.Tensor, group) -> str | None:
         reason = self.unavailable()
