@@ -82,13 +82,13 @@ class CocEngine:
     def __init__(self, config: CocConfig):
         self.config = config
         self.layout = MatmulLayout.from_config(config)
-        self.calls = 0
+        self.calls = 0  # CoC calls made (status / tests); fallbacks are not counted
         if config.deterministic:
             # Read when the first communicator is built, so set before any kernel: ATB's LCCL
             # (deterministic tiling of its all-reduce) and HCCL (deterministic reductions; whether
             # that covers the MC2 ops is unconfirmed, docs/fused-backends.md §4).
             os.environ["LCCL_DETERMINISTIC"] = "1"
-            os.environ["HCCL_DETERMINISTIC"] = "true"  # CoC calls made (status / tests); fallbacks are not counted
+            os.environ["HCCL_DETERMINISTIC"] = "true"
 
     # -- helpers ---------------------------------------------------------------------------
     def _fall_back(self, layer, fallback: Fallback, original: Callable, *args, **kwargs):
