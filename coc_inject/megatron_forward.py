@@ -115,11 +115,9 @@ class CocEngine:
         from coc_inject.fused import registry
 
         fallback_chunks = self._fallback_chunks()
-        backend, why = registry.choose(op, x2d, weight, group, self.config.fused_backend)
+        backend = registry.select(op, x2d, weight, group, self.config.fused_backend, "CoC",
+                                  f"using the chunked pipeline with {fallback_chunks} chunks")
         if backend is None:
-            log.once(("fused-unavailable", op, why), logging.WARNING,
-                     f"fused CoC kernel requested for {op}, but no fused backend can run it ({why}); "
-                     f"using the chunked pipeline with {fallback_chunks} chunks")
             return fallback_chunks
         log.once(("fused", op, backend.name), logging.INFO, f"{op}: fused kernel {backend.name}")
         return FusedKernel(backend, fallback_chunks)

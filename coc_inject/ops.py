@@ -24,9 +24,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import logging
-
-from coc_inject import log
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
     FusedAllGatherMatmul,
@@ -62,11 +59,7 @@ def _fused(op, x2d, weight, group, backend):
         return None
     if backend not in registry.CHOICES:
         raise ValueError(f"backend={backend!r} is invalid: expected one of {', '.join(registry.CHOICES)}")
-    chosen, why = registry.choose(op, x2d, weight, group, backend)
-    if chosen is None:
-        log.once(("ops-fused-unavailable", op, why), logging.WARNING,
-                 f"coc_inject.ops.{op}: no fused backend can run this call ({why}); using the chunked pipeline")
-    return chosen
+    return registry.select(op, x2d, weight, group, backend, f"coc_inject.ops.{op}", "using the chunked pipeline")
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+
+from coc_inject import log
 from coc_inject.fused.atb import AtbBackend
 from coc_inject.fused.mc2 import Mc2Backend
 from coc_inject.fused.symm_mem import SymmMemBackend
@@ -22,6 +25,15 @@ def choose(op: str, x, weight, group, pinned: str = "auto"):
             return backend, None
         reasons.append(f"{backend.name}: {reason}")
     return None, "; ".join(reasons)
+
+
+def select(op: str, x, weight, group, pinned: str, who: str, instead: str):
+    """:func:`choose`, saying once (per caller, op and reason) why no fused backend runs the call."""
+    backend, why = choose(op, x, weight, group, pinned)
+    if backend is None:
+        log.once(("fused-unavailable", who, op, why), logging.WARNING,
+                 f"{who}: fused kernel requested for {op}, but no fused backend can run it ({why}); {instead}")
+    return backend
 
 
 def status() -> dict:
