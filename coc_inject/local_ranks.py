@@ -1,7 +1,9 @@
-"""Run a function on a few local processes, one per rank (bench and selftest without torchrun)."""
+"""Where the bench and selftest ranks run: a few spawned local processes (no torchrun), or,
+under torchrun, this process on its rank's device."""
 
 from __future__ import annotations
 
+import os
 import socket
 import traceback
 
@@ -37,3 +39,23 @@ def run_local_ranks(worker, world: int, port: int, *args):
     if errors:
         raise RuntimeError("\n".join(errors))
     return next((value for _, value in answers if value is not None), None)
+
+
+def torchrun_device(npu_variable: str):
+    """``(device, backend)`` for this torchrun rank, made current: CUDA with NCCL if present; an
+    Ascend NPU with HCCL when ``npu_variable`` is set to "npu" (torch_npu is imported only then:
+    without the CANN libraries it breaks ``import torch``); else the CPU with gloo."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    if os.environ.get(npu_variable) == "npu":
+        import torch_npu  # noqa: F401
+
+        device = torch.device("npu", local_rank)
+        torch.npu.set_device(device)
+        return device, "hccl"
+    return torch.device("cpu"), "gloo"

@@ -148,19 +148,11 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args(argv)
     if "RANK" in os.environ:  # under torchrun: this rank's accelerator
-        import torch
         import torch.distributed as dist
 
-        if torch.cuda.is_available():
-            device, backend = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), "nccl"
-            torch.cuda.set_device(device)
-        elif os.environ.get("COC_SELFTEST_DEVICE") == "npu":
-            import torch_npu  # noqa: F401  (only when asked: needs the Ascend CANN libraries)
+        from coc_inject.local_ranks import torchrun_device
 
-            device, backend = torch.device("npu", int(os.environ.get("LOCAL_RANK", 0))), "hccl"
-            torch.npu.set_device(device)
-        else:
-            device, backend = torch.device("cpu"), "gloo"
+        device, backend = torchrun_device("COC_SELFTEST_DEVICE")
         args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
         dist.init_process_group(backend)
         rows = run_rank(args, device, dist.group.WORLD)

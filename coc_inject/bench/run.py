@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_rank(args, device, link=None) -> dict | None:
+def run_rank(args, device) -> dict | None:
     """Everything one rank measures; rank 0 returns the results."""
     import torch
     import torch.distributed as dist
@@ -109,17 +109,10 @@ def run_torchrun(args) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    elif os.environ.get("COC_BENCH_DEVICE") == "npu":
-        import torch_npu  # noqa: F401  (only when asked: it needs the Ascend CANN libraries)
+    from coc_inject.local_ranks import torchrun_device
 
-        device, backend = torch.device("npu", local_rank), "hccl"
-        torch.npu.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device, backend = torchrun_device("COC_BENCH_DEVICE")
+    if device.type == "cpu":  # Megatron allocates its SP buffers with torch.cuda.current_device()
         torch.cuda.current_device = lambda: torch.device("cpu")
     dist.init_process_group(backend)
     from megatron.core import parallel_state
