@@ -117,15 +117,13 @@ def cmd_status(args) -> int:
     for line in _bootstrap_report(bootstrap.bootstrap_dir()):
         print(line)
 
-    version = patching.megatron_version()
-    low, high = (".".join(map(str, v)) for v in patching.SUPPORTED_MEGATRON)
-    support = "supported" if patching.megatron_supported(version) else f"NOT supported (supported: {low} .. {high}.x)"
-    print(f"megatron-core     : {version or 'not installed'} {'' if version is None else support}".rstrip())
+    errors = config_module.validate_all()
+    allow_untested = not errors and config_module.load_config().allow_untested_megatron
+    print(megatron_report(patching.megatron_version(), allow_untested))
     from coc_inject.fused import registry
 
     for name, why_not in registry.status().items():
         print(f"fused {name:<11} : {'usable' if why_not is None else 'not usable: ' + why_not}")
-    errors = config_module.validate_all()
     print("configuration     :", "INVALID" if errors else "ok")
     for error in errors:
         print(f"  error: {error}")
@@ -142,6 +140,31 @@ def cmd_status(args) -> int:
     for case in CASES:
         print(f"  {case.layer:<21} {case.mode:<6} fwd: {case.forward}; bwd: {case.backward} [{case.schedule.value}]")
     return 1 if errors else 0
+
+
+def megatron_report(version: str | None, allow_untested: bool) -> str:
+    """The megatron-core line of ``status``: version, tested / untested / unsupported, guards."""
+    from coc_inject import patching
+    from coc_inject.megatron_forward import GUARDS
+
+    if version is None:
+        return "megatron-core     : not installed"
+    support = patching.megatron_support(version, allow_untested)
+    why = {
+        patching.TESTED: f"tested (range {patching.tested_range()})",
+        patching.UNTESTED: f"UNTESTED, patched anyway (COC_ALLOW_UNTESTED_MEGATRON=1; tested: {patching.tested_range()})",
+        patching.UNSUPPORTED: f"unsupported, layers left unpatched (tested: {patching.tested_range()}; "
+                              "COC_ALLOW_UNTESTED_MEGATRON=1 tries it)",
+    }[support]
+    lines = [f"megatron-core     : {version} {why}",
+             f"guards            : a call using one of these goes to Megatron's own forward, or CoC handles "
+             f"it as Megatron does ([x]: megatron-core {version} has the feature)"]
+    installed = patching.release(version)
+    for guard in GUARDS:
+        since = ".".join(map(str, guard.since))
+        present = installed is not None and installed >= guard.since
+        lines.append(f"  [{'x' if present else ' '}] {guard.feature} (since {since}): {guard.handling}")
+    return "\n".join(lines)
 
 
 def reference_markdown() -> str:

@@ -123,6 +123,8 @@ class CocConfig:
     config_file: str | None = None
     fused_backend: str = "auto"
     deterministic: bool = False
+    # Process-local (not agreed across ranks): patch a megatron-core outside the tested range.
+    allow_untested_megatron: bool = False
 
     def __post_init__(self):
         # Built by hand (tests, other modules) as well as by load_config, so normalise and
@@ -224,6 +226,7 @@ class CocConfig:
             "config_file": self.config_file,
             "fused_backend": self.fused_backend,
             "deterministic": self.deterministic,
+            "allow_untested_megatron": self.allow_untested_megatron,
         }
 
 
@@ -277,6 +280,9 @@ ENV_REFERENCE = (
             "Ask the fused backends for their deterministic mode (sets LCCL_DETERMINISTIC=1 for ATB and "
             "HCCL_DETERMINISTIC=true for HCCL/MC2 before the first kernel); the chunked pipeline is always "
             "deterministic."),
+    Setting("COC_ALLOW_UNTESTED_MEGATRON", _shown(_DEFAULTS.allow_untested_megatron), BOOL_ALLOWED,
+            "Patch a megatron-core release outside the tested range anyway (one warning says it is "
+            "untested); without it such a release is left unpatched with one warning."),
 )
 _ALLOWED = {s.name: s.allowed for s in ENV_REFERENCE + FILE_REFERENCE}
 
@@ -499,6 +505,7 @@ def _resolve(environ, argv_flags) -> tuple[dict, list]:
     parse("COC_LOG_LEVEL", parse_log_level, "log_level")
     parse("COC_FUSED_BACKEND", parse_fused_backend, "fused_backend")
     parse("COC_DETERMINISTIC", parse_bool, "deterministic")
+    parse("COC_ALLOW_UNTESTED_MEGATRON", parse_bool, "allow_untested_megatron")
 
     _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
     return values, errors

@@ -62,6 +62,40 @@ class Fallback:
     expected: bool = False
 
 
+@dataclass(frozen=True)
+class Guard:
+    """A Megatron feature the engine checks for, because ignoring it would give a wrong result."""
+
+    feature: str
+    since: tuple  # first megatron-core (major, minor) that has it
+    handling: str
+
+
+GUARDS = (
+    Guard("tensor-parallel weight sharding (gtp_remat_size > 1)", (0, 19),
+          "Megatron's path: layer.weight is a shard that Megatron gathers before the matmul"),
+    Guard("output_dtype on ColumnParallelLinear", (0, 20),
+          "Megatron's path when it differs from the input dtype (the GEMM writes another dtype)"),
+    Guard("inference-optimized output all-gather (eval, gather_output)", (0, 18),
+          "handled: CoC's output is gathered by Megatron's inference all-gather"),
+    Guard("Megatron-FSDP parameters (__fsdp_param__) with gradient_accumulation_fusion", (0, 14),
+          "handled: wgrad is written into weight.get_main_grad(), as Megatron does"),
+    Guard("weight of another shape than the one CoC multiplies by", (0, 13),
+          "Megatron's path"),
+)
+
+
+def _weight_fallback(layer, weight, expected: tuple) -> Fallback | None:
+    gtp = getattr(layer, "gtp_remat_size", 1)
+    if isinstance(gtp, int) and gtp > 1:
+        return Fallback(f"tensor-parallel weight sharding (gtp_remat_size={gtp}): the weight is a shard "
+                        "Megatron gathers before the matmul")
+    if weight is not None and tuple(weight.shape) != expected:
+        return Fallback(f"weight shape {tuple(weight.shape)} is not the [{expected[0]}, {expected[1]}] "
+                        "this layer multiplies by")
+    return None
+
+
 def _common_fallback(layer, input_: torch.Tensor) -> Fallback | None:
     tp_size = layer.tp_group.size() if layer.tp_group is not None else 1
     if tp_size <= 1:
@@ -131,7 +165,8 @@ class CocEngine:
         if args or kwargs:
             return self._fall_back(layer, Fallback("unknown forward arguments (newer Megatron?)"),
                                    original, input_, *args, **kwargs)
-        fallback = _common_fallback(layer, input_)
+        fallback = _common_fallback(layer, input_) or _weight_fallback(
+            layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
         if fallback is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
             fallback = Fallback(f"sequence length {input_.shape[0]} is not divisible by TP")
         m = input_.numel() // input_.shape[-1] if input_.dim() else 0
@@ -186,13 +221,17 @@ class CocEngine:
                 "no sequence parallelism: forward has no communication and Megatron already "
                 "overlaps the backward all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 "
                 "chunks it)", expected=True))
+        output_dtype = getattr(layer, "output_dtype", None)
+        if output_dtype is not None and output_dtype != input_.dtype:
+            return fall_back(Fallback(f"output_dtype {output_dtype} differs from the input dtype {input_.dtype}"))
         tp_size = layer.tp_group.size()
-        if weight is None:
-            if layer.weight is None:
-                return fall_back(Fallback("no weight supplied (skip_weight_param_allocation)"))
-            weight = layer.weight
-        elif tuple(weight.shape) != (layer.output_size_per_partition, layer.input_size):
-            return fall_back(Fallback("supplied weight has an unexpected shape"))
+        # The caller's ``weight`` argument is passed on unchanged by fall_back.
+        matrix = layer.weight if weight is None else weight
+        if matrix is None:
+            return fall_back(Fallback("no weight supplied (skip_weight_param_allocation)"))
+        fallback = _weight_fallback(layer, matrix, (layer.output_size_per_partition, layer.input_size))
+        if fallback is not None:
+            return fall_back(fallback)
         rows = input_.numel() // input_.shape[-1]
         m = rows * tp_size if sequence_parallel else rows
         chunks = self._chunks(layer, m, layer.input_size, layer.output_size_per_partition)
@@ -203,8 +242,8 @@ class CocEngine:
         self.ensure_agreement(group, input_.device)
         x2d = input_.reshape(-1, input_.shape[-1])
         if sequence_parallel:
-            kernel = self._kernel("all_gather_matmul", x2d, weight, group, chunks)
-            arguments = (weight, kernel, group, layer.gradient_accumulation_fusion, self.layout,
+            kernel = self._kernel("all_gather_matmul", x2d, matrix, group, chunks)
+            arguments = (matrix, kernel, group, layer.gradient_accumulation_fusion, self.layout,
                          self.config.recompute_all_gather)
             if isinstance(kernel, FusedKernel):
                 output_parallel, _ = FusedAllGatherMatmul.apply(x2d, *arguments)
@@ -215,13 +254,20 @@ class CocEngine:
             if chunks == -1:  # no communication to fuse in this forward; the backward is chunked
                 chunks = self._fallback_chunks()
             output_parallel = MatmulWithChunkedGradAllReduce.apply(
-                input_, weight, chunks, group, layer.gradient_accumulation_fusion, self.layout
+                input_, matrix, chunks, group, layer.gradient_accumulation_fusion, self.layout
             )
         self.calls += 1
         if not layer.skip_bias_add and layer.bias is not None:
             output_parallel = output_parallel + layer.bias
         gather_output = layer.gather_output if runtime_gather_output is None else runtime_gather_output
-        if gather_output:
+        if gather_output and getattr(layer, "use_inference_optimized_all_gather", False) and not layer.training:
+            # megatron-core >= 0.18 (transformer_impl="inference_optimized"): its NVLS all-gather.
+            from megatron.core.tensor_parallel.inference_layers import (
+                inference_all_gather_from_tensor_model_parallel_region,
+            )
+
+            output = inference_all_gather_from_tensor_model_parallel_region(output_parallel, group, layer.config)
+        elif gather_output:
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
             output = gather_from_tensor_model_parallel_region(output_parallel, group=group)

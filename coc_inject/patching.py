@@ -16,8 +16,11 @@ from coc_inject import __version__, log
 
 LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
 PATCHED = ("ColumnParallelLinear", "RowParallelLinear")
-# Oldest and newest megatron-core release this version is tested against (pyproject, CI).
-SUPPORTED_MEGATRON = ((0, 13), (0, 16))
+# Oldest and newest megatron-core minor release this version is tested against (Makefile, CI).
+TESTED_MEGATRON = ((0, 13), (0, 19))
+TESTED = "tested"
+UNTESTED = "untested"  # outside the tested range, patched because COC_ALLOW_UNTESTED_MEGATRON=1
+UNSUPPORTED = "unsupported"  # outside the tested range (or unknown): left unpatched
 
 _originals: dict = {}  # class -> original forward
 _engine = None
@@ -32,14 +35,31 @@ def megatron_version() -> str | None:
         return None
 
 
-def megatron_supported(version: str | None) -> bool:
-    if not version:
-        return False
+def release(version: str | None) -> tuple | None:
+    """(major, minor) of a version string, or None when it does not parse."""
     try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
+        return tuple(int(part) for part in (version or "").split(".")[:2])
     except ValueError:
-        return False
-    return SUPPORTED_MEGATRON[0] <= major_minor <= SUPPORTED_MEGATRON[1]
+        return None
+
+
+def megatron_supported(version: str | None) -> bool:
+    """Is ``version`` inside the tested range?"""
+    major_minor = release(version)
+    return major_minor is not None and TESTED_MEGATRON[0] <= major_minor <= TESTED_MEGATRON[1]
+
+
+def megatron_support(version: str | None, allow_untested: bool) -> str:
+    """TESTED, UNTESTED (opted in) or UNSUPPORTED: whether the layers get patched, and why."""
+    if megatron_supported(version):
+        return TESTED
+    # An unparsable version is not opted into: nothing is known about its layers.
+    return UNTESTED if allow_untested and release(version) is not None else UNSUPPORTED
+
+
+def tested_range() -> str:
+    low, high = (".".join(map(str, v)) for v in TESTED_MEGATRON)
+    return f"{low} .. {high}.x"
 
 
 def _wrap(original, route):
@@ -136,13 +156,18 @@ def on_layers_imported(module) -> None:
     if not config.enabled:
         log.logger.debug("CoC is off (%s); Megatron layers left unpatched", config.describe())
         return
-    if not megatron_supported(version):
-        low, high = (".".join(map(str, v)) for v in SUPPORTED_MEGATRON)
+    support = megatron_support(version, config.allow_untested_megatron)
+    if support == UNSUPPORTED:
         log.logger.warning(
-            "CoC NOT applied: megatron-core %s is outside the supported range %s .. %s.x",
-            version, low, high,
+            "CoC NOT applied: megatron-core %s is outside the tested range %s; "
+            "set COC_ALLOW_UNTESTED_MEGATRON=1 to try it anyway", version, tested_range(),
         )
         return
+    if support == UNTESTED:
+        log.logger.warning(
+            "megatron-core %s is outside the tested range %s: CoC is applied UNTESTED "
+            "(COC_ALLOW_UNTESTED_MEGATRON=1); compare a few steps with CoC off", version, tested_range(),
+        )
     install(config, module)
     rank, _ = _rank_and_world()
     # Global rank 0 says it at info level; with COC_LOG_LEVEL=debug every rank does.

@@ -54,7 +54,8 @@ def tp_rank_size():
 
 
 def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, ffn, seed=1234,
-                gather_output=False, tp_group=None, is_expert=False, frozen=False, input_is_parallel=True):
+                gather_output=False, tp_group=None, is_expert=False, frozen=False, input_is_parallel=True,
+                transformer_impl=None):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -63,6 +64,8 @@ def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, 
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         use_cpu_initialization=True, params_dtype=DTYPES[dtype], gradient_accumulation_fusion=False,
     )
+    if transformer_impl is not None:  # a TransformerConfig field, read by the layers with getattr
+        config.transformer_impl = transformer_impl
     torch.manual_seed(seed)  # the master weight is generated identically on every rank
     init = torch.nn.init.xavier_normal_
     if kind == "row":

@@ -58,9 +58,11 @@ def test_off_config_patches_nothing(config):
         assert cls.__dict__["forward"] is ORIGINALS[cls]
 
 
-def test_unsupported_megatron_version_is_left_alone_and_said(monkeypatch):
+def _on_layers_imported_saying(monkeypatch, version, **env):
     monkeypatch.setenv("COC_PARALLEL_NUM", "4")
-    monkeypatch.setattr(patching, "megatron_version", lambda: "0.9.0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(patching, "megatron_version", lambda: version)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -69,14 +71,58 @@ def test_unsupported_megatron_version_is_left_alone_and_said(monkeypatch):
         patching.on_layers_imported(layers)
     finally:
         log.logger.removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("version", ["0.9.0", "0.20.0", "dev"])
+def test_untested_megatron_version_is_left_alone_and_said(monkeypatch, version):
+    warnings = _on_layers_imported_saying(monkeypatch, version)
     assert not patching.is_installed()
-    assert any("CoC NOT applied: megatron-core 0.9.0" in r.getMessage() for r in records)
+    assert len(warnings) == 1
+    assert f"CoC NOT applied: megatron-core {version} is outside the tested range 0.13 .. 0.19.x" in warnings[0]
+    assert "COC_ALLOW_UNTESTED_MEGATRON=1" in warnings[0]
 
 
-@pytest.mark.parametrize("version,supported", [("0.13.1", True), ("0.16.1", True), ("0.12.3", False),
-                                               ("0.17.0", False), ("", False), ("dev", False)])
-def test_version_gate(version, supported):
-    assert patching.megatron_supported(version) is supported
+def test_untested_megatron_version_is_patched_when_opted_in_and_said(monkeypatch):
+    try:
+        warnings = _on_layers_imported_saying(monkeypatch, "0.20.0", COC_ALLOW_UNTESTED_MEGATRON="1")
+        assert patching.is_installed()
+    finally:
+        patching.uninstall()
+    assert len(warnings) == 1 and "0.20.0 is outside the tested range" in warnings[0]
+    assert "UNTESTED" in warnings[0]
+
+
+def test_tested_megatron_version_is_patched_without_warning(monkeypatch):
+    try:
+        warnings = _on_layers_imported_saying(monkeypatch, "0.19.2")
+        assert patching.is_installed()
+    finally:
+        patching.uninstall()
+    assert warnings == []
+
+
+@pytest.mark.parametrize("version,allow,support", [
+    ("0.13.1", False, "tested"), ("0.16.1", False, "tested"), ("0.17.1", False, "tested"),
+    ("0.18.2", False, "tested"), ("0.19.2", False, "tested"), ("0.19.3rc0", False, "tested"),
+    ("0.12.3", False, "unsupported"), ("0.20.0", False, "unsupported"), ("0.20.0", True, "untested"),
+    ("0.12.3", True, "untested"), ("", True, "unsupported"), ("dev", True, "unsupported"),
+    (None, True, "unsupported"),
+])
+def test_version_gate(version, allow, support):
+    assert patching.megatron_support(version, allow) == support
+
+
+def test_status_lists_the_guards_of_the_installed_release():
+    from coc_inject.cli import megatron_report
+    from coc_inject.megatron_forward import GUARDS
+
+    report = megatron_report("0.18.2", False)
+    assert "0.18.2 tested" in report
+    marks = {line.split("] ", 1)[1].split(" (since")[0]: line[3] for line in report.splitlines() if "[" in line[:4]}
+    assert marks == {guard.feature: "x" if guard.since <= (0, 18) else " " for guard in GUARDS}
+    assert "unsupported, layers left unpatched" in megatron_report("0.21.0", False)
+    assert "UNTESTED, patched anyway" in megatron_report("0.21.0", True)
 
 
 def test_engine_never_allocates_with_cuda_current_device():

@@ -41,9 +41,12 @@ class WeightGrad:
 
     def __init__(self, weight: torch.Tensor, gradient_accumulation_fusion: bool):
         self.needed = weight.requires_grad
-        self.fusion = bool(gradient_accumulation_fusion) and hasattr(weight, "main_grad")
+        # Megatron-FSDP parameters (megatron-core >= 0.14) hand out their main grad buffer at
+        # backward time through get_main_grad(), and Megatron writes the wgrad into it.
+        self.fsdp = bool(gradient_accumulation_fusion) and hasattr(weight, "__fsdp_param__")
+        self.fusion = bool(gradient_accumulation_fusion) and (self.fsdp or hasattr(weight, "main_grad"))
         # Saved at forward time, like Megatron: the same module may be reused (MTP logits).
-        self.main_grad = weight.main_grad if self.fusion else None
+        self.main_grad = weight.main_grad if self.fusion and not self.fsdp else None
 
     def compute(self, weight: torch.Tensor, grad2d: torch.Tensor, input2d: torch.Tensor):
         """Return the ``grad_weight`` autograd expects (None when frozen or fully fused)."""
@@ -51,9 +54,13 @@ class WeightGrad:
             return None
         if not self.fusion:
             return grad2d.t().matmul(input2d)
-        weight.main_grad = self.main_grad
-        accum = self.main_grad
-        accum.addmm_(grad2d.t().to(accum.dtype), input2d.to(accum.dtype))
+        if self.fsdp:
+            accum = weight.main_grad = weight.get_main_grad()
+            torch.matmul(grad2d.t().to(accum.dtype), input2d.to(accum.dtype), out=accum)
+        else:
+            weight.main_grad = self.main_grad
+            accum = self.main_grad
+            accum.addmm_(grad2d.t().to(accum.dtype), input2d.to(accum.dtype))
         if not hasattr(weight, "grad_added_to_main_grad"):
             return None
         # Megatron returns a dummy grad so backward hooks run on the main thread
