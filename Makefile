@@ -1,23 +1,32 @@
 # The two commands of the README:
 #   make demo   the main job: an unmodified tiny GPT pretraining script under torchrun (TP=2,
 #               sequence parallel, CPU + gloo), CoC off then on via the environment only
-#   make test   the full test suite (newest megatron-core), plus the layer suites against the
-#               oldest supported megatron-core in a second venv
+#   make test   the full test suite on the newest megatron-core, plus the layer, guard and
+#               end-to-end suites on an older and the oldest supported release, each in its own venv
 # Both create their virtual environments on first use. torch is pinned to the local CPU wheel
 # first, so nothing pulls a multi-GB CUDA build from the registry.
+#
+# megatron-core >= 0.17 declares requires-python >= 3.12 but its wheel runs on 3.11: it is
+# installed with --no-deps --ignore-requires-python, then its own requirements (numpy,
+# packaging; from 0.18 `import megatron.core` also imports triton).
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
-MEGATRON_NEWEST ?= megatron-core==0.16.1
-MEGATRON_OLDEST ?= megatron-core==0.13.1
+MEGATRON_NEWEST ?= 0.19.2
+MEGATRON_NEWEST_REQUIRES ?= numpy "packaging>=24.2" triton
+MEGATRON_MIDDLE ?= 0.16.1
+MEGATRON_OLDEST ?= 0.13.1
 VENV ?= .venv
-VENV_OLDEST ?= .venv-megatron-oldest
+VENV_MIDDLE ?= .venv-megatron-$(MEGATRON_MIDDLE)
+VENV_OLDEST ?= .venv-megatron-$(MEGATRON_OLDEST)
 SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/dev/null)
-LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_patching.py
+# What runs on the older releases: everything that touches Megatron's layers or a real launch.
+LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_patching.py \
+	tests/test_megatron_guards.py tests/test_injection_e2e.py
 
 LINK ?= 1gbit
 
-.PHONY: demo demo-link test test-newest test-oldest bench bench-link bench-startup clean
+.PHONY: demo demo-link test test-newest test-middle test-oldest bench bench-link bench-startup clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -32,10 +41,13 @@ bench: $(VENV)/.installed
 bench-link: $(VENV)/.installed
 	$(VENV)/bin/coc-inject bench --link $(LINK) --out benchmarks/out/link-$(LINK)
 
-test: test-newest test-oldest
+test: test-newest test-middle test-oldest
 
 test-newest: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
+
+test-middle: $(VENV_MIDDLE)/.installed
+	$(VENV_MIDDLE)/bin/python -m pytest $(LAYER_SUITES)
 
 test-oldest: $(VENV_OLDEST)/.installed
 	$(VENV_OLDEST)/bin/python -m pytest $(LAYER_SUITES)
@@ -43,21 +55,29 @@ test-oldest: $(VENV_OLDEST)/.installed
 bench-startup: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.startup
 
-# venv + pinned torch + megatron-core + this package (a regular, non-editable install:
+# venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
+# requirements when $(2) skips them) + this package (a regular, non-editable install:
 # setuptools' editable finder would add ~20 ms to every interpreter start in the venv).
+# Installing this package never changes the megatron-core already there: its dependency
+# has no upper bound.
 define make_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
-	$(1)/bin/python -m pip install -q --disable-pip-version-check $(2) ".[test,bench]"
+	$(1)/bin/python -m pip install -q --disable-pip-version-check $(2)
+	$(if $(3),$(1)/bin/python -m pip install -q --disable-pip-version-check $(3))
+	$(1)/bin/python -m pip install -q --disable-pip-version-check ".[test,bench]"
 	rm -rf build coc_inject.egg-info
 	touch $(1)/.installed
 endef
 
 $(VENV)/.installed: $(SOURCES)
-	$(call make_venv,$(VENV),$(MEGATRON_NEWEST))
+	$(call make_venv,$(VENV),--no-deps --ignore-requires-python megatron-core==$(MEGATRON_NEWEST),$(MEGATRON_NEWEST_REQUIRES))
+
+$(VENV_MIDDLE)/.installed: $(SOURCES)
+	$(call make_venv,$(VENV_MIDDLE),megatron-core==$(MEGATRON_MIDDLE))
 
 $(VENV_OLDEST)/.installed: $(SOURCES)
-	$(call make_venv,$(VENV_OLDEST),$(MEGATRON_OLDEST))
+	$(call make_venv,$(VENV_OLDEST),megatron-core==$(MEGATRON_OLDEST))
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) build coc_inject.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_MIDDLE) $(VENV_OLDEST) build coc_inject.egg-info .pytest_cache
