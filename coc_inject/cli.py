@@ -1,4 +1,4 @@
-"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference | bench | selftest.
+"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference | report | bench | selftest.
 
 * ``status``: the resolved configuration (or every error in it), whether the bootstrap will
   run in Python processes started from this environment, the shadowed sitecustomize it
@@ -8,6 +8,7 @@
   (like ``ddtrace-run``); the optional first word sets the toggles as ``env/coc.sh`` does.
 * ``env [N|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
 * ``reference``: the environment-variable and config-file reference as markdown tables.
+* ``report PATH ...``: the ``COC_REPORT`` files of a job as tables (per layer: route, chunks, calls, reason).
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
 * ``selftest [...]``: each available backend vs the unfused result (coc_inject.selftest).
 """
@@ -179,6 +180,44 @@ def reference_markdown() -> str:
     return table("variable", ENV_REFERENCE) + "\n\n" + table("`COC_CONFIG` key", FILE_REFERENCE)
 
 
+def report_table(reports: list) -> str:
+    """``coc-inject report``: one block per report file, one row per layer and route."""
+    blocks = []
+    for path, report in reports:
+        calls = report.get("calls", {})
+        head = (f"{path}: rank {report.get('rank')}/{report.get('world_size')}, megatron-core "
+                f"{report.get('megatron_core')}, mode {report.get('config', {}).get('mode')}; calls: "
+                + ", ".join(f"{route} {n}" for route, n in calls.items()))
+        rows = [("layer", "class", "[m, k, n]", "route", "chunks", "calls", "backend / reason")]
+        for layer in report.get("layers", []):
+            rows.append((layer["name"], layer["class"], str(layer["shape"]), layer["route"],
+                         "-" if layer["chunks"] is None else str(layer["chunks"]), str(layer["calls"]),
+                         layer["backend"] or layer["reason"] or ""))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+        lines = [head] + ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
+                          for row in rows]
+        for name, count in report.get("foreign_layers", {}).items():
+            lines.append(f"  not seen by CoC: {count} x {name}")
+        for name, origin in report.get("replaced_forwards", {}).items():
+            lines.append(f"  {name}.forward replaced by {origin}: CoC not active for it")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def cmd_report(args) -> int:
+    import json
+
+    reports = []
+    for path in args.paths:
+        try:
+            with open(path, encoding="utf-8") as handle:
+                reports.append((path, json.load(handle)))
+        except (OSError, ValueError) as error:
+            raise SystemExit(f"coc-inject report: cannot read {path}: {error}") from None
+    print(report_table(reports))
+    return 0
+
+
 def cmd_reference(args) -> int:
     print(reference_markdown())
     return 0
@@ -196,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("mode", nargs="?", help="N (chunk count) | fused | off")
     env.set_defaults(func=cmd_env)
     commands.add_parser("reference", help="print the variable reference (markdown)").set_defaults(func=cmd_reference)
+    report = commands.add_parser("report", help="print COC_REPORT files as tables")
+    report.add_argument("paths", nargs="+", metavar="PATH", help="report files written by COC_REPORT")
+    report.set_defaults(func=cmd_report)
     # Parsed by coc_inject.bench.run itself (see main()); listed here for --help.
     commands.add_parser("bench", help="benchmark CoC vs unpatched Megatron (coc-inject bench -h)")
     commands.add_parser("selftest", help="every available backend vs the unfused result (coc-inject selftest -h)")

@@ -77,6 +77,7 @@ LOG_LEVEL_ALLOWED = ", ".join(LOG_LEVELS) + " (any case)"
 # Kept in step with coc_inject.fused.registry.CHOICES (a test checks); this module stays torch-free.
 FUSED_BACKENDS = ("auto", "chunked", "atb", "mc2", "symm_mem")
 FUSED_BACKEND_ALLOWED = ", ".join(FUSED_BACKENDS) + " (any case)"
+REPORT_ALLOWED = "a file path (its directory must be writable); {rank} is replaced by the global rank"
 FLAG_NEEDS_USE_ASCEND_COC = "--use-ascend-coc alongside it (MindSpeed only honours the CoC flags with --use-ascend-coc)"
 
 
@@ -125,6 +126,8 @@ class CocConfig:
     deterministic: bool = False
     # Process-local (not agreed across ranks): patch a megatron-core outside the tested range.
     allow_untested_megatron: bool = False
+    # Process-local: where each rank writes its coverage report at exit (None: no report).
+    report: str | None = None
 
     def __post_init__(self):
         # Built by hand (tests, other modules) as well as by load_config, so normalise and
@@ -227,6 +230,7 @@ class CocConfig:
             "fused_backend": self.fused_backend,
             "deterministic": self.deterministic,
             "allow_untested_megatron": self.allow_untested_megatron,
+            "report": self.report,
         }
 
 
@@ -283,6 +287,9 @@ ENV_REFERENCE = (
     Setting("COC_ALLOW_UNTESTED_MEGATRON", _shown(_DEFAULTS.allow_untested_megatron), BOOL_ALLOWED,
             "Patch a megatron-core release outside the tested range anyway (one warning says it is "
             "untested); without it such a release is left unpatched with one warning."),
+    Setting("COC_REPORT", "(unset)", REPORT_ALLOWED,
+            "Each rank writes a JSON report of what CoC did per layer at exit; {rank} in the path is "
+            "replaced by the global rank, without it only global rank 0 writes."),
 )
 _ALLOWED = {s.name: s.allowed for s in ENV_REFERENCE + FILE_REFERENCE}
 
@@ -377,6 +384,15 @@ def _parse_shape_key(key: str):
     if isinstance(shape, list) and len(shape) == 3 and all(_is_int(d) and d >= 1 for d in shape):
         return tuple(shape)
     return None
+
+
+def parse_report_path(variable: str, text: str) -> str:
+    path = text.strip()
+    if not path or "\0" in path:
+        raise ConfigError(variable, text, REPORT_ALLOWED)
+    # Whether the directory is writable is checked when the report is armed: a bad path is a
+    # warning then, never a configuration error that stops the job.
+    return path
 
 
 def parse_fused_backend(variable: str, text: str) -> str:
@@ -506,6 +522,7 @@ def _resolve(environ, argv_flags) -> tuple[dict, list]:
     parse("COC_FUSED_BACKEND", parse_fused_backend, "fused_backend")
     parse("COC_DETERMINISTIC", parse_bool, "deterministic")
     parse("COC_ALLOW_UNTESTED_MEGATRON", parse_bool, "allow_untested_megatron")
+    parse("COC_REPORT", parse_report_path, "report")
 
     _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
     return values, errors

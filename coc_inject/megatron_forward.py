@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from coc_inject import log
+from coc_inject import coverage, log
 from coc_inject.config import CocConfig
 from coc_inject.pipeline import agreement
 from coc_inject.pipeline.functions import (
@@ -27,8 +27,9 @@ from coc_inject.pipeline.functions import (
     MatmulReduceScatter,
     MatmulWithChunkedGradAllReduce,
 )
-from coc_inject.pipeline.schedules import Schedule
+from coc_inject.pipeline.layout import effective_chunks
 from coc_inject.pipeline.matmul import MatmulLayout
+from coc_inject.pipeline.schedules import Schedule
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,21 @@ def _common_fallback(layer, input_: torch.Tensor) -> Fallback | None:
     return None
 
 
+def _rows(input_) -> int:
+    return input_.numel() // input_.shape[-1] if input_.dim() else 0
+
+
+def row_shape(layer, input_) -> tuple:
+    """[m, k, n] of a RowParallelLinear call (k: this rank's input columns)."""
+    return _rows(input_), layer.input_size_per_partition, layer.output_size
+
+
+def column_shape(layer, input_) -> tuple:
+    """[m, k, n] of a ColumnParallelLinear call (m: all rows, gathered under SP)."""
+    tp = layer.tp_group.size() if layer.tp_group is not None and layer.sequence_parallel else 1
+    return _rows(input_) * tp, layer.input_size, layer.output_size_per_partition
+
+
 class CocEngine:
     """Routes layer calls for one resolved configuration."""
 
@@ -117,6 +133,7 @@ class CocEngine:
         self.config = config
         self.layout = MatmulLayout.from_config(config)
         self.calls = 0  # CoC calls made (status / tests); fallbacks are not counted
+        self.coverage = None  # coverage.Coverage, set by patching.install()
         if config.deterministic:
             # Read when the first communicator is built, so set before any kernel: ATB's LCCL
             # (deterministic tiling of its all-reduce) and HCCL (deterministic reductions; whether
@@ -125,11 +142,21 @@ class CocEngine:
             os.environ["HCCL_DETERMINISTIC"] = "true"
 
     # -- helpers ---------------------------------------------------------------------------
-    def _fall_back(self, layer, fallback: Fallback, original: Callable, *args, **kwargs):
+    def _fall_back(self, layer, shape_of, fallback: Fallback, original: Callable, input_, *args, **kwargs):
         level = logging.DEBUG if fallback.expected else logging.INFO
         log.once((type(layer).__name__, fallback.reason), level,
                  f"{type(layer).__name__}: Megatron's own forward is used: {fallback.reason}")
-        return original(layer, *args, **kwargs)
+        if self.coverage is not None:
+            self.coverage.count(layer, coverage.megatron(fallback.reason), input_, shape_of)
+        return original(layer, input_, *args, **kwargs)
+
+    def _count_coc(self, layer, shape_of, kernel, input_, rows: int) -> None:
+        """Count a call CoC ran; ``rows``: the row count its chunks split (per rank under SP)."""
+        self.calls += 1
+        if self.coverage is not None:
+            route = (coverage.fused(kernel.backend.name) if isinstance(kernel, FusedKernel)
+                     else coverage.chunked(effective_chunks(rows, kernel)))
+            self.coverage.count(layer, route, input_, shape_of)
 
     def _chunks(self, layer, m: int, k: int, n: int) -> int | Fallback:
         chunks = self.config.chunks_for(m, k, n)
@@ -163,7 +190,7 @@ class CocEngine:
     # -- RowParallelLinear -----------------------------------------------------------------
     def row_forward(self, original, layer, input_, *args, **kwargs):
         if args or kwargs:
-            return self._fall_back(layer, Fallback("unknown forward arguments (newer Megatron?)"),
+            return self._fall_back(layer, row_shape, Fallback("unknown forward arguments (newer Megatron?)"),
                                    original, input_, *args, **kwargs)
         fallback = _common_fallback(layer, input_) or _weight_fallback(
             layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
@@ -173,7 +200,7 @@ class CocEngine:
         chunks = self._chunks(layer, m, layer.input_size_per_partition, layer.output_size)
         fallback = fallback or (chunks if isinstance(chunks, Fallback) else None)
         if fallback is not None:
-            return self._fall_back(layer, fallback, original, input_)
+            return self._fall_back(layer, row_shape, fallback, original, input_)
 
         from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 
@@ -195,7 +222,8 @@ class CocEngine:
         else:
             function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
             output = function.apply(input_parallel, *arguments)
-        self.calls += 1
+        self._count_coc(layer, row_shape, kernel, input_,
+                        x2d.shape[0] // group.size() if layer.sequence_parallel else x2d.shape[0])
         if layer.skip_bias_add:
             return output, layer.bias
         return (output + layer.bias if layer.bias is not None else output), None
@@ -203,7 +231,7 @@ class CocEngine:
     # -- ColumnParallelLinear --------------------------------------------------------------
     def column_forward(self, original, layer, input_, weight=None, runtime_gather_output=None, *args, **kwargs):
         def fall_back(fallback):
-            return self._fall_back(layer, fallback, original, input_, weight, runtime_gather_output,
+            return self._fall_back(layer, column_shape, fallback, original, input_, weight, runtime_gather_output,
                                    *args, **kwargs)
 
         if args or kwargs:
@@ -241,6 +269,7 @@ class CocEngine:
         group = layer.tp_group
         self.ensure_agreement(group, input_.device)
         x2d = input_.reshape(-1, input_.shape[-1])
+        kernel = chunks
         if sequence_parallel:
             kernel = self._kernel("all_gather_matmul", x2d, matrix, group, chunks)
             arguments = (matrix, kernel, group, layer.gradient_accumulation_fusion, self.layout,
@@ -252,11 +281,11 @@ class CocEngine:
                 output_parallel, _ = AllGatherMatmul.apply(input_, *arguments)
         else:
             if chunks == -1:  # no communication to fuse in this forward; the backward is chunked
-                chunks = self._fallback_chunks()
+                kernel = self._fallback_chunks()
             output_parallel = MatmulWithChunkedGradAllReduce.apply(
-                input_, matrix, chunks, group, layer.gradient_accumulation_fusion, self.layout
+                input_, matrix, kernel, group, layer.gradient_accumulation_fusion, self.layout
             )
-        self.calls += 1
+        self._count_coc(layer, column_shape, kernel, input_, rows)
         if not layer.skip_bias_add and layer.bias is not None:
             output_parallel = output_parallel + layer.bias
         gather_output = layer.gather_output if runtime_gather_output is None else runtime_gather_output

@@ -88,6 +88,7 @@ def install(config=None, layers_module=None) -> bool:
     """
     global _engine
     from coc_inject.config import load_config
+    from coc_inject.coverage import Coverage
     from coc_inject.megatron_forward import CocEngine
 
     config = config if config is not None else load_config()
@@ -101,11 +102,14 @@ def install(config=None, layers_module=None) -> bool:
     uninstall()
     _engine = CocEngine(config)
     routes = {"ColumnParallelLinear": _engine.column_forward, "RowParallelLinear": _engine.row_forward}
+    patched = {}
     for name in PATCHED:
         cls = getattr(layers_module, name)
         original = cls.__dict__["forward"]
         _originals[cls] = original
-        cls.forward = _wrap(original, routes[name])
+        cls.forward = patched[cls] = _wrap(original, routes[name])
+    _engine.coverage = Coverage(config, patched)
+    _engine.coverage.arm()
     return True
 
 
@@ -117,6 +121,8 @@ def uninstall() -> None:
     for cls, original in _originals.items():
         cls.forward = original
     _originals.clear()
+    if _engine is not None and _engine.coverage is not None:
+        _engine.coverage.disarm()
     _engine = None
     agreement.forget()
     log.reset_once()
@@ -130,9 +136,10 @@ def banner(config, version: str | None) -> str:
     rank, world = _rank_and_world()
     chunks = "fused" if config.fused else f"N={config.parallel_num}"
     return (
-        f"CoC active: pid {os.getpid()}, rank {rank}/{world}, mode {config.mode}, {chunks}, "
+        f"CoC installed: pid {os.getpid()}, rank {rank}/{world}, mode {config.mode}, {chunks}, "
         f"megatron-core {version}, coc-inject {__version__}, patched "
         + ", ".join(f"{name}.forward" for name in PATCHED)
+        + " (which layer calls it runs: the first-step summary)"
     )
 
 

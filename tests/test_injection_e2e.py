@@ -74,18 +74,18 @@ def test_forward_really_chunked(runs, chunks):
 
 def test_banner_once_from_rank_zero(runs):
     stderr = runs[4][0].stderr
-    banners = [line for line in stderr.splitlines() if "CoC active" in line]
+    banners = [line for line in stderr.splitlines() if "CoC installed" in line]
     assert len(banners) == 1, stderr[-3000:]
-    assert banners[0].startswith("[coc-inject rank 0] CoC active")
+    assert banners[0].startswith("[coc-inject rank 0] CoC installed")
     for fragment in ("rank 0/2", "mode chunked", "N=4", "megatron-core 0.", "RowParallelLinear.forward"):
         assert fragment in banners[0]
-    assert "CoC active" not in runs["off"][0].stderr
-    assert "CoC active" not in runs[1][0].stderr  # N=1 is off: nothing patched, nothing said
+    assert "CoC installed" not in runs["off"][0].stderr
+    assert "CoC installed" not in runs[1][0].stderr  # N=1 is off: nothing patched, nothing said
 
 
 def test_debug_level_every_rank_and_fallback_reasons(runs):
     stderr = runs[2][0].stderr
-    assert "[coc-inject rank 0] CoC active" in stderr and "[coc-inject rank 1] CoC active" in stderr
+    assert "[coc-inject rank 0] CoC installed" in stderr and "[coc-inject rank 1] CoC installed" in stderr
     reasons = [line for line in stderr.splitlines() if "Megatron's own forward is used" in line]
     assert len(reasons) == 2  # the Column layer, once per rank
     assert all("COC_ENABLE_IN_COLUMN_BACKWARD=1" in line for line in reasons)

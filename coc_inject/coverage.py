@@ -1,0 +1,323 @@
+"""What CoC did in this process: the route every tensor-parallel layer call took.
+
+The engine counts each call under its route -- ``chunked`` (with the chunk count), ``fused``
+(with the backend) or ``megatron`` (with the reason) -- per layer. That is one dict lookup and
+one increment per call (``coc-inject bench --accounting`` measures it). From those counts:
+
+* the **first-step summary**: one line on global rank 0 (every rank at debug level) when the
+  first training step ends, defined as the first ``torch.optim.Optimizer.step()`` of the process
+  (a global optimizer step hook, removed once it fired); a process that never steps an
+  optimizer (inference) gets it at exit. With it come the warnings: Transformer Engine linears
+  in the model, no call through CoC, a patched ``forward`` replaced by someone else;
+* the **report file** (``COC_REPORT``), written at exit, after an uncaught exception and on
+  SIGTERM (torchrun stops the other ranks of a failed job that way).
+
+Layers are named by their qualified module name in the model, found once at summary/report
+time by one pass over the live ``torch.nn.Module`` objects (leading ``module.`` wrappers of
+DDP / Float16Module dropped), else by class and shape.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import json
+import logging
+import os
+import signal
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+from coc_inject import log
+
+CHUNKED, FUSED, MEGATRON = "chunked", "fused", "megatron"
+REPORT_VERSION = 1
+
+# Tensor-parallel linear classes of Megatron's Transformer Engine spec: none subclasses the
+# local layers, so CoC never sees their calls.
+TE_MODULES = ("megatron.core.extensions.transformer_engine", "transformer_engine.")
+TE_CLASSES = frozenset((
+    "TELinear", "TEColumnParallelLinear", "TERowParallelLinear", "TELayerNormColumnParallelLinear",
+    "TEGroupedLinear", "TEColumnParallelGroupedLinear", "TERowParallelGroupedLinear", "TEFusedMLP",
+    "TEFusedMLPWithGroupedLinear", "TELMHeadColumnParallelLinear",
+))
+
+
+def chunked(chunks: int) -> tuple:
+    return (CHUNKED, chunks, None, None)
+
+
+def fused(backend: str) -> tuple:
+    return (FUSED, None, backend, None)
+
+
+def megatron(reason: str) -> tuple:
+    return (MEGATRON, None, None, reason)
+
+
+@dataclass
+class LayerRecord:
+    """One layer's calls, by route key ``(route, chunks, backend, reason)``."""
+
+    layer: weakref.ref
+    cls: str
+    shape: list  # [m, k, n] of its first call
+    routes: dict = field(default_factory=dict)
+    name: str | None = None
+
+
+def is_foreign_linear(module) -> bool:
+    cls = type(module)
+    return cls.__name__ in TE_CLASSES and cls.__module__.startswith(TE_MODULES)
+
+
+class Coverage:
+    """Per-process accounting of layer calls (one instance per installed engine)."""
+
+    def __init__(self, config, patched_forwards: dict):
+        self.config = config
+        self.patched_forwards = patched_forwards  # class -> the forward install() put there
+        self.records: dict[int, LayerRecord] = {}
+        self.foreign_layers: dict[str, int] = {}
+        self.replaced: dict[str, str] = {}  # class name -> module of the forward now in place
+        self.local_layers = 0
+        self.summarized = False
+        self._lock = threading.Lock()
+        self._step_hook = None
+        self._report_written = False
+        self._previous_sigterm = None
+
+    # -- the hot path --------------------------------------------------------------------
+    def count(self, layer, key: tuple, input_, shape_of) -> None:
+        record = self.records.get(id(layer))
+        if record is None or record.layer() is not layer:
+            record = self._new_record(layer, input_, shape_of)
+        routes = record.routes
+        routes[key] = routes.get(key, 0) + 1
+
+    def _new_record(self, layer, input_, shape_of) -> LayerRecord:
+        record = LayerRecord(weakref.ref(layer), type(layer).__name__, list(shape_of(layer, input_)))
+        self.records[id(layer)] = record
+        return record
+
+    # -- totals ----------------------------------------------------------------------------
+    def calls_by_route(self) -> dict:
+        totals = {CHUNKED: 0, FUSED: 0, MEGATRON: 0}
+        for record in self.records.values():
+            for (route, *_), calls in record.routes.items():
+                totals[route] += calls
+        return totals
+
+    def coc_layers(self) -> int:
+        return sum(1 for r in self.records.values() if any(key[0] != MEGATRON for key in r.routes))
+
+    # -- the model: names, foreign layers, replaced forwards -----------------------------------
+    def inspect_model(self) -> None:
+        """One pass over the live modules: qualified names, local and TE layer counts, and
+        which patched forwards someone else has replaced since install()."""
+        import torch
+
+        local_classes = tuple(self.patched_forwards)
+        parents = {}
+        foreign: dict[str, int] = {}
+        local = 0
+        for obj in gc.get_objects():
+            if not isinstance(obj, torch.nn.Module):
+                continue
+            for child_name, child in obj._modules.items():
+                if child is not None:
+                    parents[id(child)] = (obj, child_name)
+            if isinstance(obj, local_classes):
+                local += 1
+            elif is_foreign_linear(obj):
+                foreign[type(obj).__name__] = foreign.get(type(obj).__name__, 0) + 1
+        for record in self.records.values():
+            layer = record.layer()
+            if layer is not None:
+                record.name = _qualified_name(layer, parents)
+        self.foreign_layers = foreign
+        self.local_layers = local
+        self.replaced = {cls.__name__: _origin(cls.__dict__.get("forward"))
+                         for cls, ours in self.patched_forwards.items() if cls.__dict__.get("forward") is not ours}
+
+    # -- the first-step summary ---------------------------------------------------------------
+    def arm(self) -> None:
+        """Summarise at the first optimizer step; write the report at exit (if COC_REPORT)."""
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        path = report_path(self.config.report)
+        if path is None:
+            return
+        directory = os.path.dirname(os.path.abspath(path))
+        if not (os.path.isdir(directory) and os.access(directory, os.W_OK)):
+            log.logger.warning("COC_REPORT=%s: directory %s does not exist or is not writable; no CoC report "
+                               "will be written (the job runs on)", self.config.report, directory)
+            return
+        atexit.register(self.write_report)
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous in (signal.SIG_DFL, None):
+                self._previous_sigterm = signal.SIG_DFL
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        self.first_step_done()
+
+    def first_step_done(self) -> None:
+        with self._lock:
+            if self.summarized:
+                return
+            self.summarized = True
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self.inspect_model()
+        level = logging.INFO if _global_rank() == 0 else logging.DEBUG
+        log.logger.log(level, self.summary_line())
+        if _global_rank() == 0 or log.is_debug():
+            for line in self.warnings():
+                log.logger.warning(line)
+
+    def summary_line(self) -> str:
+        totals = self.calls_by_route()
+        tp_layers = self.local_layers + sum(self.foreign_layers.values())
+        routes = [f"{totals[CHUNKED]} chunked ({_chunk_counts(self.records)})" if totals[CHUNKED] else None,
+                  f"{totals[FUSED]} fused" if totals[FUSED] else None,
+                  f"{totals[MEGATRON]} Megatron's own" if totals[MEGATRON] else None]
+        text = (f"first step: CoC on {self.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
+                + (", ".join(r for r in routes if r) or "none"))
+        reasons = {}
+        for record in self.records.values():
+            for (route, _, _, reason), calls in record.routes.items():
+                if route == MEGATRON:
+                    reasons[reason] = reasons.get(reason, 0) + calls
+        if reasons:
+            text += "; Megatron's path because: " + "; ".join(f"{why} ({n} calls)" for why, n in reasons.items())
+        return text
+
+    def warnings(self) -> list:
+        lines = []
+        if self.foreign_layers:
+            counts = ", ".join(f"{n} {name}" for name, n in sorted(self.foreign_layers.items()))
+            lines.append(f"the model has tensor-parallel linears of Transformer Engine classes ({counts}) that "
+                         "CoC does not see: CoC covers Megatron's local layers (--transformer-impl local); "
+                         "Transformer Engine has its own overlap (--tp-comm-overlap)")
+        totals = self.calls_by_route()
+        if totals[CHUNKED] + totals[FUSED] == 0:
+            lines.append("CoC is on but no layer call went through it during the first step"
+                         + (" (see the reasons above)" if totals[MEGATRON] else " (no patched layer was called)"))
+        for name, origin in sorted(self.replaced.items()):
+            lines.append(f"{name}.forward was replaced after coc-inject patched it (now: {origin}): CoC is NOT "
+                         f"active for {name}")
+        return lines
+
+    # -- the report file ----------------------------------------------------------------------
+    def report(self) -> dict:
+        from coc_inject.patching import megatron_version
+
+        layers = []
+        for record in self.records.values():
+            for (route, chunks, backend, reason), calls in record.routes.items():
+                layers.append({
+                    "name": record.name or f"{record.cls}[{record.shape[1]}x{record.shape[2]}]",
+                    "class": record.cls, "shape": record.shape, "route": route, "chunks": chunks,
+                    "backend": backend, "reason": reason, "calls": calls,
+                })
+        return {
+            "version": REPORT_VERSION,
+            "rank": _global_rank(),
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "pid": os.getpid(),
+            "megatron_core": megatron_version(),
+            "config": self.config.describe(),
+            "first_step_summarized": self.summarized,
+            "calls": self.calls_by_route(),
+            "layers": layers,
+            "local_layers": self.local_layers,
+            "foreign_layers": dict(sorted(self.foreign_layers.items())),
+            "replaced_forwards": dict(sorted(self.replaced.items())),
+        }
+
+    def _on_sigterm(self, signum, frame):
+        self.write_report()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def disarm(self) -> None:
+        """Undo arm() (uninstall)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        atexit.unregister(self.write_report)
+        if self._previous_sigterm is not None and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._previous_sigterm = None
+
+    def write_report(self) -> str | None:
+        """Write the report once (at exit); a failure is one warning, never an exception."""
+        path = report_path(self.config.report)
+        if path is None or self._report_written:
+            return None
+        self._report_written = True
+        try:
+            if not self.summarized:
+                self.first_step_done()  # no optimizer step: summarise what happened
+            else:
+                self.inspect_model()
+            text = json.dumps(self.report(), indent=1, default=str) + "\n"
+            temporary = f"{path}.tmp{os.getpid()}"
+            with open(temporary, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(temporary, path)
+            return path
+        except Exception as error:  # the report must never stop or fail the job
+            log.logger.warning("cannot write the CoC report %s (COC_REPORT): %s", path, error)
+            return None
+
+
+def report_path(template: str | None, rank: int | None = None) -> str | None:
+    """The file this rank writes: ``{rank}`` replaced by the global rank; without ``{rank}``
+    only global rank 0 writes (None for the others)."""
+    if not template:
+        return None
+    rank = _global_rank() if rank is None else rank
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank))
+    return template if rank == 0 else None
+
+
+def _global_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _origin(function) -> str:
+    if function is None:
+        return "nothing (forward deleted)"
+    module = getattr(function, "__module__", None) or type(function).__module__
+    return f"{module}.{getattr(function, '__qualname__', type(function).__name__)}"
+
+
+def _qualified_name(layer, parents: dict) -> str | None:
+    parts = []
+    node = layer
+    seen = set()
+    while id(node) in parents and id(node) not in seen:
+        seen.add(id(node))
+        node, name = parents[id(node)]
+        parts.append(name)
+    if not parts:
+        return None
+    parts.reverse()
+    while len(parts) > 1 and parts[0] == "module":  # DDP / Float16Module wrappers
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def _chunk_counts(records) -> str:
+    counts = sorted({key[1] for r in records.values() for key in r.routes if key[0] == CHUNKED})
+    return "N=" + "/".join(map(str, counts))
