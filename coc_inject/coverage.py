@@ -86,6 +86,7 @@ class Coverage:
         self._lock = threading.Lock()
         self._step_hook = None
         self._report_written = False
+        self._report_enabled = False  # set by arm() once the report directory is known writable
         self._previous_sigterm = None
 
     # -- the hot path --------------------------------------------------------------------
@@ -122,6 +123,7 @@ class Coverage:
         parents = {}
         foreign: dict[str, int] = {}
         local = 0
+        gc.collect()  # layers that are garbage must not count (once per summary / report)
         for obj in gc.get_objects():
             if not isinstance(obj, torch.nn.Module):
                 continue
@@ -155,6 +157,7 @@ class Coverage:
             log.logger.warning("COC_REPORT=%s: directory %s does not exist or is not writable; no CoC report "
                                "will be written (the job runs on)", self.config.report, directory)
             return
+        self._report_enabled = True
         atexit.register(self.write_report)
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
@@ -258,7 +261,7 @@ class Coverage:
     def write_report(self) -> str | None:
         """Write the report once (at exit); a failure is one warning, never an exception."""
         path = report_path(self.config.report)
-        if path is None or self._report_written:
+        if path is None or not self._report_enabled or self._report_written:
             return None
         self._report_written = True
         try:

@@ -1,0 +1,183 @@
+"""Coverage accounting, the first-step summary, its warnings and the COC_REPORT file (issue 9).
+
+Worker tests: real megatron-core layers on 2 gloo ranks (TP 2) in a small model, one training
+step with torch.optim.SGD (the first step ends at its first optimizer step). Transformer
+Engine cannot be installed: its classes are stand-ins (tests/fakes/te_layers.py).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from coc_inject import coverage
+from coc_inject.config import CocConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = {"decoder.layers.0.linear_fc1": "ColumnParallelLinear", "decoder.layers.0.linear_fc2": "RowParallelLinear"}
+
+
+def by_name(report):
+    return {layer["name"]: layer for layer in report["layers"]}
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_every_layer_has_its_route_chunks_and_calls(pool2, sp):
+    for rank, result in enumerate(pool2.run("coverage_cases:one_step", sequence_parallel=sp, steps=2)):
+        report = result["report"]
+        layers = by_name(report)
+        assert {name: layer["class"] for name, layer in layers.items()} == NAMES
+        row = layers["decoder.layers.0.linear_fc2"]
+        assert (row["route"], row["chunks"], row["calls"], row["shape"]) == ("chunked", 2, 2, [32, 32, 32])
+        column = layers["decoder.layers.0.linear_fc1"]
+        assert column["shape"] == [32, 32, 32] and column["calls"] == 2
+        if sp:
+            assert (column["route"], column["chunks"], column["reason"]) == ("chunked", 2, None)
+        else:
+            assert (column["route"], column["chunks"]) == ("megatron", None)
+            assert "no sequence parallelism" in column["reason"]
+        assert report["rank"] == rank and report["local_layers"] == 2 and report["foreign_layers"] == {}
+        summary = [line for line in result["log"] if line.startswith("first step:")]
+        if rank == 0:
+            expected = "first step: CoC on 2 of 2" if sp else "first step: CoC on 1 of 2"
+            assert len(summary) == 1 and summary[0].startswith(expected), result["log"]
+            assert ("1 chunked (N=2), 1 Megatron's own" in summary[0]) is not sp
+        else:
+            assert summary == []  # rank 0 only at info level
+
+
+def test_transformer_engine_layers_are_counted_and_warned_about(pool2):
+    for rank, result in enumerate(pool2.run("coverage_cases:one_step", te=True)):
+        assert result["report"]["foreign_layers"] == {
+            "TEColumnParallelLinear": 2, "TELayerNormColumnParallelLinear": 1, "TERowParallelLinear": 1}
+        summary, warnings = result["summary"]
+        assert summary.startswith("first step: CoC on 2 of 6 TP linear layers")
+        te_warnings = [w for w in warnings if "Transformer Engine" in w]
+        assert len(te_warnings) == 1
+        assert "2 TEColumnParallelLinear, 1 TELayerNormColumnParallelLinear, 1 TERowParallelLinear" in te_warnings[0]
+        assert "--transformer-impl local" in te_warnings[0] and "--tp-comm-overlap" in te_warnings[0]
+        said = [line for line in result["log"] if "Transformer Engine classes" in line]
+        assert len(said) == (1 if rank == 0 else 0)
+        assert set(by_name(result["report"])) == set(NAMES)  # the TE stand-ins' calls are not counted
+
+
+def test_forward_replaced_after_install_is_named(pool2):
+    for rank, result in enumerate(pool2.run("coverage_cases:one_step", replace_row_forward=True)):
+        assert result["report"]["replaced_forwards"] == {"RowParallelLinear": "coverage_cases.other_patch"}
+        said = [line for line in result["log"] if "forward was replaced" in line]
+        assert len(said) == (1 if rank == 0 else 0)
+        if said:
+            assert "RowParallelLinear.forward was replaced after coc-inject patched it" in said[0]
+            assert "coverage_cases.other_patch" in said[0] and "CoC is NOT active for RowParallelLinear" in said[0]
+        layers = by_name(result["report"])
+        assert set(layers) == {"decoder.layers.0.linear_fc1"}  # the replaced Row never reached CoC
+
+
+def test_every_call_falling_back_is_warned_about(pool2):
+    # Column without SP falls back by default; COC_CUSTOMIZED turns the Row shape off.
+    options = {"customized_coc": {(32, 32, 32): 1}}
+    for rank, result in enumerate(pool2.run("coverage_cases:one_step", sequence_parallel=False,
+                                            config_options=options)):
+        assert result["report"]["calls"] == {"chunked": 0, "fused": 0, "megatron": 2}
+        said = [line for line in result["log"] if "no layer call went through it" in line]
+        assert len(said) == (1 if rank == 0 else 0)
+        summary = result["summary"][0]
+        assert "CoC on 0 of 2" in summary and "COC_CUSTOMIZED sets 1 chunk" in summary
+
+
+# -- pure parts, no processes ------------------------------------------------------------------
+
+
+def test_report_path_per_rank_or_rank_zero_only():
+    assert coverage.report_path("/r/{rank}.json", rank=3) == "/r/3.json"
+    assert coverage.report_path("/r/job.json", rank=0) == "/r/job.json"
+    assert coverage.report_path("/r/job.json", rank=1) is None
+    assert coverage.report_path(None, rank=0) is None
+
+
+def test_qualified_names_drop_wrappers():
+    root = torch.nn.Module()
+    root.module = torch.nn.Module()
+    root.module.module = torch.nn.Module()
+    root.module.module.output_layer = leaf = torch.nn.Linear(2, 2)
+    parents = {}
+    for module in (root, root.module, root.module.module):
+        for name, child in module._modules.items():
+            parents[id(child)] = (module, name)
+    assert coverage._qualified_name(leaf, parents) == "output_layer"
+    assert coverage._qualified_name(root, parents) is None
+
+
+def _coverage(tmp_path, report):
+    return coverage.Coverage(CocConfig(parallel_num=4, report=report), {})
+
+
+def test_unwritable_report_directory_is_one_warning(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    target = tmp_path / "missing" / "r{rank}.json"
+    cov = _coverage(tmp_path, str(target))
+    with caplog.at_level("WARNING", logger="coc_inject"):
+        cov.arm()
+        assert cov.write_report() is None  # at exit: nothing more is tried or said
+    cov.disarm()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "COC_REPORT=" in said[0] and "not writable" in said[0], said
+    assert str(target.parent) in said[0]
+    assert not target.parent.exists()
+
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    from coc_inject import coverage
+    from coc_inject.config import CocConfig
+    cov = coverage.Coverage(CocConfig(parallel_num=4, report=sys.argv[1]), {})
+    cov.arm()
+    if sys.argv[2] == "raise":
+        raise RuntimeError("training diverged")
+    os.kill(os.getpid(), signal.SIGTERM)
+""")
+
+
+@pytest.mark.parametrize("ending,returncode", [("raise", 1), ("sigterm", -signal.SIGTERM)])
+def test_report_written_when_the_job_dies(tmp_path, ending, returncode):
+    path = tmp_path / "r{rank}.json"
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path), ending], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == returncode, proc.stderr
+    report = json.loads((tmp_path / "r1.json").read_text())
+    assert report["rank"] == 1 and report["world_size"] == 2
+    assert report["config"]["parallel_num"] == 4 and report["layers"] == []
+    for key in ("megatron_core", "foreign_layers", "calls", "first_step_summarized"):
+        assert key in report
+
+
+def test_cli_report_prints_a_table(tmp_path):
+    report = {"rank": 0, "world_size": 2, "megatron_core": "0.19.2", "config": {"mode": "chunked"},
+              "calls": {"chunked": 3, "fused": 0, "megatron": 3},
+              "layers": [{"name": "decoder.layers.0.mlp.linear_fc1", "class": "ColumnParallelLinear",
+                          "shape": [64, 32, 32], "route": "megatron", "chunks": None, "backend": None,
+                          "reason": "no sequence parallelism", "calls": 3},
+                         {"name": "decoder.layers.0.mlp.linear_fc2", "class": "RowParallelLinear",
+                          "shape": [64, 32, 32], "route": "chunked", "chunks": 4, "backend": None,
+                          "reason": None, "calls": 3}],
+              "foreign_layers": {"TELayerNormColumnParallelLinear": 2}, "replaced_forwards": {}}
+    path = tmp_path / "r0.json"
+    path.write_text(json.dumps(report))
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "report", str(path)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = {row.split()[0]: row for row in proc.stdout.splitlines()[2:] if row.startswith("  decoder")}
+    fc1 = rows["decoder.layers.0.mlp.linear_fc1"].split()
+    fc2 = rows["decoder.layers.0.mlp.linear_fc2"].split()
+    assert fc1[1:] == ["ColumnParallelLinear", "[64,", "32,", "32]", "megatron", "-", "3", "no", "sequence",
+                       "parallelism"]
+    assert fc2[1:] == ["RowParallelLinear", "[64,", "32,", "32]", "chunked", "4", "3"]
+    assert "rank 0/2, megatron-core 0.19.2, mode chunked; calls: chunked 3, fused 0, megatron 3" in proc.stdout
+    assert "not seen by CoC: 2 x TELayerNormColumnParallelLinear" in proc.stdout
