@@ -137,9 +137,11 @@ class Coverage:
         for record in self.records.values():
             layer = record.layer()
             if layer is not None:
-                record.name = _qualified_name(layer, parents)
-        self.foreign_layers = foreign
-        self.local_layers = local
+                record.name = _qualified_name(layer, parents) or record.name
+        # At exit the model may be gone already: keep the largest picture seen.
+        for name, count in foreign.items():
+            self.foreign_layers[name] = max(count, self.foreign_layers.get(name, 0))
+        self.local_layers = max(local, self.local_layers)
         self.replaced = {cls.__name__: _origin(cls.__dict__.get("forward"))
                          for cls, ours in self.patched_forwards.items() if cls.__dict__.get("forward") is not ours}
 
