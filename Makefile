@@ -26,7 +26,7 @@ LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_pat
 
 LINK ?= 1gbit
 
-.PHONY: demo demo-link test test-newest test-middle test-oldest bench bench-link bench-startup clean
+.PHONY: demo demo-link test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -54,6 +54,9 @@ test-oldest: $(VENV_OLDEST)/.installed
 
 bench-startup: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.startup
+
+bench-accounting: $(VENV)/.installed
+	$(VENV)/bin/python -m coc_inject.bench.accounting
 
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
 # requirements when $(2) skips them) + this package (a regular, non-editable install:

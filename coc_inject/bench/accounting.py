@@ -1,0 +1,130 @@
+"""Host time the coverage accounting adds to a layer call (issue 9 target: <= 1 us).
+
+Two measurements, each the median over interleaved repetitions:
+  count()   the accounting call alone (Coverage.count on a known layer) against a no-op with
+            the same signature, in a tight loop;
+  forward   a real megatron-core ColumnParallelLinear (TP 1, one gloo rank: the call takes
+            Megatron's own path, which is counted too) through the patched forward, with the
+            engine's coverage on and off.
+
+    python -m coc_inject.bench.accounting [--reps N] [--calls N] [--json PATH]
+    (also: make bench-accounting)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+
+TARGET_US = 1.0
+
+
+def _per_call_us(function, calls: int) -> float:
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        function()
+    return (time.perf_counter_ns() - start) / calls / 1e3
+
+
+def measure_count(reps: int, calls: int) -> dict:
+    import torch
+
+    from coc_inject import coverage
+    from coc_inject.config import CocConfig
+
+    cov = coverage.Coverage(CocConfig(parallel_num=4), {})
+    layer = torch.nn.Linear(8, 8)
+    x = torch.zeros(4, 8)
+    key = coverage.chunked(4)
+
+    def shape_of(layer, input_):
+        return (4, 8, 8)
+
+    def noop(layer, key, input_, shape_of):
+        return None
+
+    cov.count(layer, key, x, shape_of)  # the layer is known from its first call on
+    with_accounting, without = [], []
+    for _ in range(reps):
+        with_accounting.append(_per_call_us(lambda: cov.count(layer, key, x, shape_of), calls))
+        without.append(_per_call_us(lambda: noop(layer, key, x, shape_of), calls))
+    return _summary(with_accounting, without)
+
+
+def measure_forward(reps: int, calls: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+
+    torch.set_num_threads(1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        config = ModelParallelConfig(tensor_model_parallel_size=1, use_cpu_initialization=True,
+                                     gradient_accumulation_fusion=False)
+        layer = ColumnParallelLinear(8, 8, config=config, init_method=torch.nn.init.zeros_, bias=False)
+        x = torch.zeros(4, 1, 8)
+        assert patching.install(CocConfig(parallel_num=4))
+        engine = patching.engine()
+        coverage_on = engine.coverage
+        with torch.no_grad():
+            layer(x)
+            with_accounting, without = [], []
+            for _ in range(reps):
+                engine.coverage = coverage_on
+                with_accounting.append(_per_call_us(lambda: layer(x), calls))
+                engine.coverage = None
+                without.append(_per_call_us(lambda: layer(x), calls))
+        engine.coverage = coverage_on
+        counted = sum(coverage_on.calls_by_route().values())
+        assert counted == 1 + reps * calls, counted  # the accounting really ran on every call
+        return _summary(with_accounting, without)
+    finally:
+        patching.uninstall()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _summary(with_accounting: list, without: list) -> dict:
+    added = [a - b for a, b in zip(with_accounting, without)]
+    return {"with_us": round(statistics.median(with_accounting), 4),
+            "without_us": round(statistics.median(without), 4),
+            "added_us": round(statistics.median(added), 4), "reps": len(added)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reps", type=int, default=21)
+    parser.add_argument("--calls", type=int, default=20000, help="calls per repetition (forward: a tenth)")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    results = {"count": measure_count(args.reps, args.calls),
+               "forward": measure_forward(args.reps, max(1, args.calls // 10))}
+    print(f"coverage accounting, host time per layer call, median of {args.reps} interleaved repetitions")
+    print(f"{'measurement':<12}{'with us':>10}{'without us':>12}{'added us':>10}")
+    for name, r in results.items():
+        print(f"{name:<12}{r['with_us']:>10.3f}{r['without_us']:>12.3f}{r['added_us']:>10.3f}")
+    worst = max(r["added_us"] for r in results.values())
+    verdict = "PASS" if worst <= TARGET_US else "FAIL"
+    print(f"{verdict}: accounting adds {worst:.3f} us per call at most (target <= {TARGET_US:.0f} us)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(dict(results, target_us=TARGET_US), handle, indent=1)
+    return 0 if worst <= TARGET_US else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
