@@ -290,6 +290,11 @@ ENV_REFERENCE = (
     Setting("COC_REPORT", "(unset)", REPORT_ALLOWED,
             "Each rank writes a JSON report of what CoC did per layer at exit; {rank} in the path is "
             "replaced by the global rank, without it only global rank 0 writes."),
+    # Read by sitecustomize.py only (stdlib, at interpreter start), never by load_config.
+    Setting("COC_CACHE_DIR", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/pycache`",
+            "an absolute directory of this user's; a relative value (e.g. `off`) turns the cache off",
+            "Where the bootstrap keeps the byte code of `coc_inject/__init__.py` and `bootstrap.py` when their "
+            "`__pycache__` cannot be used (PYTHONDONTWRITEBYTECODE, read-only checkout)."),
 )
 _ALLOWED = {s.name: s.allowed for s in ENV_REFERENCE + FILE_REFERENCE}
 

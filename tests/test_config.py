@@ -82,6 +82,7 @@ def test_reference_covers_every_variable_once():
         "COC_DISABLE", "COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_RECOMPUTE_ALL_GATHER",
         "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
         "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT",
+        "COC_CACHE_DIR",
     ]
     for setting in ENV_REFERENCE + FILE_REFERENCE:
         assert setting.default and setting.allowed and setting.meaning
