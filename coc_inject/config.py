@@ -15,7 +15,7 @@ the parser, the CLI and the README table all read them from there.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -66,9 +66,15 @@ class Setting:
 
 BOOL_ALLOWED = "1/0, true/false, yes/no, on/off (any case)"
 POSITIVE_INT_ALLOWED = "an integer >= 1"
-PARALLEL_NUM_ALLOWED = f"{POSITIVE_INT_ALLOWED} (1 = off)"
+# The chunk count "auto": tuned per shape at run time (coc_inject.tuning). Stored as -2, a
+# value no user can type as a count.
+AUTO = -2
+PARALLEL_NUM_ALLOWED = f"{POSITIVE_INT_ALLOWED} (1 = off), or auto (tuned per shape at run time)"
 SHAPE_KEY_ALLOWED = 'a string "[m, k, n]" holding a JSON list of three integers >= 1'
-SHAPE_COUNT_ALLOWED = "an integer >= 1, or -1 (fused for that shape); 1 = off for that shape"
+SHAPE_COUNT_ALLOWED = ('an integer >= 1, -1 (fused for that shape) or "auto" (tuned for that shape); '
+                       "1 = off for that shape")
+TUNE_CANDIDATES_ALLOWED = "a comma-separated list of distinct integers >= 2 (chunk counts), e.g. 2,4,8"
+TUNE_CACHE_ALLOWED = "an absolute file path, or off (no cache)"
 CUSTOMIZED_ALLOWED = (
     'a JSON object {"[m, k, n]": chunks} mapping matmul shapes to chunk counts; '
     f"keys: {SHAPE_KEY_ALLOWED}; values: {SHAPE_COUNT_ALLOWED}"
@@ -96,7 +102,14 @@ def _is_int(value) -> bool:
 
 
 def _is_valid_chunk_count(value) -> bool:
-    return _is_int(value) and (value >= 1 or value == -1)
+    return _is_int(value) and (value >= 1 or value in (-1, AUTO))
+
+
+def _chunk_count_from_json(value):
+    """A customized_coc value as stored: "auto" (any case) becomes AUTO; a typed AUTO stays invalid."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO
+    return None if value == AUTO else value
 
 
 def _shape_text(shape) -> str:
@@ -124,6 +137,11 @@ class CocConfig:
     config_file: str | None = None
     fused_backend: str = "auto"
     deterministic: bool = False
+    # COC_PARALLEL_NUM=auto: the CoC chunk counts tried beside Megatron's own path (N=1).
+    tune_candidates: tuple = (2, 4, 8)
+    # Where auto decisions persist (None: no cache). Process-local (ranks agree on each
+    # decision), so not part of equality.
+    tune_cache: str | None = field(default=None, compare=False)
     # Process-local (not agreed across ranks): patch a megatron-core outside the tested range.
     allow_untested_megatron: bool = False
     # Process-local: where each rank writes its coverage report at exit (None: no report).
@@ -148,8 +166,13 @@ class CocConfig:
         object.__setattr__(self, "customized_coc", tuple(sorted(normalised)))
         # Not a field (so not compared, hashed or fingerprinted): a lookup table for chunks_for.
         object.__setattr__(self, "_chunks_by_shape", chunks_by_shape)
-        if not (_is_int(self.parallel_num) and self.parallel_num >= 1):
+        if not (_is_int(self.parallel_num) and (self.parallel_num >= 1 or self.parallel_num == AUTO)):
             raise ConfigError(f"{where}.parallel_num", self.parallel_num, PARALLEL_NUM_ALLOWED)
+        candidates = tuple(self.tune_candidates)
+        if not candidates or len(set(candidates)) != len(candidates) or not all(
+                _is_int(c) and c >= 2 for c in candidates):
+            raise ConfigError(f"{where}.tune_candidates", self.tune_candidates, TUNE_CANDIDATES_ALLOWED)
+        object.__setattr__(self, "tune_candidates", tuple(sorted(candidates)))
         for name in ("k_min", "k_max"):
             if not (_is_int(getattr(self, name)) and getattr(self, name) >= 1):
                 raise ConfigError(f"{where}.{name}", getattr(self, name), POSITIVE_INT_ALLOWED)
@@ -164,7 +187,8 @@ class CocConfig:
     def enabled(self) -> bool:
         if self.disabled:
             return False
-        return self.fused or self.parallel_num > 1 or any(chunks != 1 for _, chunks in self.customized_coc)
+        return (self.fused or self.parallel_num > 1 or self.parallel_num == AUTO
+                or any(chunks != 1 for _, chunks in self.customized_coc))
 
     @property
     def mode(self) -> str:
@@ -177,7 +201,8 @@ class CocConfig:
         """Chunk count for one matmul shape: its ``customized_coc`` entry, else the global setting.
 
         -1 means "fused kernel" (this shape's entry, or ``USE_COC_FUSED_KERNEL`` for shapes
-        without one: fused wins over ``parallel_num``), 1 means "no CoC for this shape".
+        without one: fused wins over ``parallel_num``), 1 means "no CoC for this shape",
+        AUTO means "tuned at run time".
         ``disabled`` is not folded in: callers look at ``enabled`` first.
         """
         return self._chunks_by_shape.get((m, k, n), -1 if self.fused else self.parallel_num)
@@ -197,6 +222,7 @@ class CocConfig:
             # Added later: only when set, so default configurations keep their fingerprint.
             **({"fused_backend": self.fused_backend} if self.fused_backend != "auto" else {}),
             **({"deterministic": True} if self.deterministic else {}),
+            **({"tune_candidates": list(self.tune_candidates)} if self.tune_candidates != (2, 4, 8) else {}),
         }
 
     def fingerprint(self) -> int:
@@ -216,12 +242,13 @@ class CocConfig:
         return {
             "mode": self.mode,
             "enabled": self.enabled,
-            "parallel_num": self.parallel_num,
+            "parallel_num": "auto" if self.parallel_num == AUTO else self.parallel_num,
             "fused": self.fused,
             "recompute_all_gather": self.recompute_all_gather,
             "enable_coc_in_column_backward": self.enable_coc_in_column_backward,
             "matmul_soc_friendly": self.matmul_soc_friendly,
-            "customized_coc": {_shape_text(shape): chunks for shape, chunks in self.customized_coc},
+            "customized_coc": {_shape_text(shape): "auto" if chunks == AUTO else chunks
+                               for shape, chunks in self.customized_coc},
             "k_min": self.k_min,
             "k_max": self.k_max,
             "log_level": self.log_level,
@@ -231,6 +258,8 @@ class CocConfig:
             "deterministic": self.deterministic,
             "allow_untested_megatron": self.allow_untested_megatron,
             "report": self.report,
+            "tune_candidates": list(self.tune_candidates),
+            "tune_cache": self.tune_cache,
         }
 
 
@@ -290,6 +319,12 @@ ENV_REFERENCE = (
     Setting("COC_REPORT", "(unset)", REPORT_ALLOWED,
             "Each rank writes a JSON report of what CoC did per layer at exit; {rank} in the path is "
             "replaced by the global rank, without it only global rank 0 writes."),
+    Setting("COC_TUNE_CANDIDATES", "2,4,8", TUNE_CANDIDATES_ALLOWED,
+            "With COC_PARALLEL_NUM=auto (or an \"auto\" COC_CUSTOMIZED value): the chunk counts tried beside "
+            "Megatron's own path (N=1) for each shape; counts above the shape's rows are skipped."),
+    Setting("COC_TUNE_CACHE", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/tune.json`", TUNE_CACHE_ALLOWED,
+            "Where auto decisions persist, keyed by shape, dtype, TP size, device and host/device name: a job "
+            "whose shapes are all cached runs no trials. off = tune every run, keep nothing."),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by load_config.
     Setting("COC_CACHE_DIR", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/pycache`",
             "an absolute directory of this user's; a relative value (e.g. `off`) turns the cache off",
@@ -322,6 +357,8 @@ def parse_bool(variable: str, text: str) -> bool:
 
 def parse_parallel_num(variable: str, text: str) -> int:
     digits = text.strip()
+    if digits.lower() == "auto":
+        return AUTO
     # isdigit + isascii, not int(): int() also takes "+2", "2_0" and non-ASCII digits.
     if digits.isascii() and digits.isdigit() and int(digits) >= 1:
         return int(digits)
@@ -366,13 +403,14 @@ def parse_customized(variable: str, raw) -> tuple:
     if not isinstance(loaded, dict):
         raise ConfigError(variable, raw, CUSTOMIZED_ALLOWED, reason="is not a JSON object")
     chunks_by_shape = {}
-    for key, chunks in loaded.items():
+    for key, raw_chunks in loaded.items():
+        chunks = _chunk_count_from_json(raw_chunks)
         shape = _parse_shape_key(key)
         if shape is None:
             raise ConfigError(f"{variable} key", key, SHAPE_KEY_ALLOWED)
         if not _is_valid_chunk_count(chunks):
-            reason = "is a boolean, not an integer" if isinstance(chunks, bool) else "is invalid"
-            raise ConfigError(f"{variable}[{key!r}]", chunks, SHAPE_COUNT_ALLOWED, reason=reason)
+            reason = "is a boolean, not an integer" if isinstance(raw_chunks, bool) else "is invalid"
+            raise ConfigError(f"{variable}[{key!r}]", raw_chunks, SHAPE_COUNT_ALLOWED, reason=reason)
         if shape in chunks_by_shape:
             # "[1,2,3]" and "[1, 2, 3]" are the same shape spelled twice.
             raise ConfigError(f"{variable} key", key, SHAPE_KEY_ALLOWED + ", each shape at most once",
@@ -398,6 +436,31 @@ def parse_report_path(variable: str, text: str) -> str:
     # Whether the directory is writable is checked when the report is armed: a bad path is a
     # warning then, never a configuration error that stops the job.
     return path
+
+
+def parse_tune_candidates(variable: str, text: str) -> tuple:
+    words = [word.strip() for word in text.split(",")]
+    if not all(word.isascii() and word.isdigit() and int(word) >= 2 for word in words) or len(set(words)) != len(words):
+        raise ConfigError(variable, text, TUNE_CANDIDATES_ALLOWED)
+    return tuple(sorted(int(word) for word in words))
+
+
+def parse_tune_cache(variable: str, text: str) -> str | None:
+    path = text.strip()
+    if path.lower() == "off":
+        return None
+    if not os.path.isabs(path) or "\0" in path:
+        raise ConfigError(variable, text, TUNE_CACHE_ALLOWED)
+    return path
+
+
+def default_tune_cache(environ) -> str | None:
+    """``${XDG_CACHE_HOME:-~/.cache}/coc-inject/tune.json`` (None when no home is known)."""
+    base = environ.get("XDG_CACHE_HOME") or ""
+    if not os.path.isabs(base):
+        home = environ.get("HOME") or os.path.expanduser("~")
+        base = os.path.join(home, ".cache") if os.path.isabs(home) else ""
+    return os.path.join(base, "coc-inject", "tune.json") if base else None
 
 
 def parse_fused_backend(variable: str, text: str) -> str:
@@ -528,6 +591,10 @@ def _resolve(environ, argv_flags) -> tuple[dict, list]:
     parse("COC_DETERMINISTIC", parse_bool, "deterministic")
     parse("COC_ALLOW_UNTESTED_MEGATRON", parse_bool, "allow_untested_megatron")
     parse("COC_REPORT", parse_report_path, "report")
+    parse("COC_TUNE_CANDIDATES", parse_tune_candidates, "tune_candidates")
+    if _env_text(environ, "COC_TUNE_CACHE") is None:
+        values["tune_cache"] = default_tune_cache(environ)
+    parse("COC_TUNE_CACHE", parse_tune_cache, "tune_cache")
 
     _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
     return values, errors

@@ -82,7 +82,7 @@ def test_reference_covers_every_variable_once():
         "COC_DISABLE", "COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_RECOMPUTE_ALL_GATHER",
         "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
         "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT",
-        "COC_CACHE_DIR",
+        "COC_TUNE_CANDIDATES", "COC_TUNE_CACHE", "COC_CACHE_DIR",
     ]
     for setting in ENV_REFERENCE + FILE_REFERENCE:
         assert setting.default and setting.allowed and setting.meaning
@@ -162,7 +162,7 @@ def test_parallel_num_accepts(text, expected):
 @pytest.mark.parametrize("text", ["2.0", "0", "-1", "abc", "4x", "+2", "2_0", "1e3", "٤", "0x4", "2 2"])
 def test_parallel_num_rejects(text):
     err = error_of({"COC_PARALLEL_NUM": text})
-    assert str(err) == f"COC_PARALLEL_NUM={text!r} is invalid: expected an integer >= 1 (1 = off)"
+    assert str(err) == f"COC_PARALLEL_NUM={text!r} is invalid: expected an integer >= 1 (1 = off), or auto (tuned per shape at run time)"
     assert err.allowed == ALLOWED["COC_PARALLEL_NUM"]
 
 
@@ -706,3 +706,51 @@ def test_deterministic_flag_and_fingerprint():
 def test_config_backend_choices_match_the_registry():
     registry = pytest.importorskip("coc_inject.fused.registry")
     assert cfgmod.FUSED_BACKENDS == registry.CHOICES
+
+
+# --- COC_PARALLEL_NUM=auto and its tuning settings ------------------------------------------
+
+
+def test_auto_chunk_count_everywhere_a_count_is_accepted():
+    from coc_inject.config import AUTO
+
+    config = load_config({"COC_PARALLEL_NUM": " Auto ", "COC_CUSTOMIZED": '{"[8, 4, 4]": "auto", "[2, 2, 2]": 4}'})
+    assert config.parallel_num == AUTO and config.enabled and config.mode == "chunked"
+    assert config.chunks_for(8, 4, 4) == AUTO and config.chunks_for(2, 2, 2) == 4 and config.chunks_for(1, 1, 1) == AUTO
+    assert config.describe()["parallel_num"] == "auto"
+    assert config.describe()["customized_coc"] == {"[2, 2, 2]": 4, "[8, 4, 4]": "auto"}
+    only_one_shape = load_config({"COC_CUSTOMIZED": '{"[8, 4, 4]": "AUTO"}'})
+    assert only_one_shape.enabled and only_one_shape.parallel_num == 1
+
+
+@pytest.mark.parametrize("value", [-2, 0, "autotune", ""])
+def test_customized_rejects_what_is_not_a_count_or_auto(value):
+    err = error_of({"COC_CUSTOMIZED": json.dumps({"[8, 4, 4]": value})})
+    assert err.variable == "COC_CUSTOMIZED['[8, 4, 4]']" and err.value == value
+
+
+def test_auto_and_fixed_counts_have_different_fingerprints():
+    from coc_inject.config import AUTO
+
+    assert CocConfig(parallel_num=AUTO).fingerprint() != CocConfig(parallel_num=4).fingerprint()
+    assert CocConfig(parallel_num=AUTO).fingerprint() != CocConfig(parallel_num=AUTO, tune_candidates=(2, 4)).fingerprint()
+
+
+@pytest.mark.parametrize("text,expected", [("2,4,8", (2, 4, 8)), ("8, 2", (2, 8)), ("16", (16,))])
+def test_tune_candidates(text, expected):
+    assert load_config({"COC_PARALLEL_NUM": "auto", "COC_TUNE_CANDIDATES": text}).tune_candidates == expected
+
+
+@pytest.mark.parametrize("text", ["1,2", "2,2", ",", "2,x", "4;8", "0"])
+def test_tune_candidates_rejects(text):
+    err = error_of({"COC_TUNE_CANDIDATES": text})
+    assert err.variable == "COC_TUNE_CANDIDATES" and "distinct integers >= 2" in str(err)
+
+
+def test_tune_cache_default_off_and_bad_values():
+    assert load_config({"HOME": "/home/u"}).tune_cache == "/home/u/.cache/coc-inject/tune.json"
+    assert load_config({"XDG_CACHE_HOME": "/c", "HOME": "/home/u"}).tune_cache == "/c/coc-inject/tune.json"
+    assert load_config({"COC_TUNE_CACHE": "off", "HOME": "/h"}).tune_cache is None
+    assert load_config({"COC_TUNE_CACHE": "/t/tune.json"}).tune_cache == "/t/tune.json"
+    err = error_of({"COC_TUNE_CACHE": "relative/tune.json"})
+    assert err.variable == "COC_TUNE_CACHE" and "absolute file path, or off" in str(err)
