@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from coc_inject import log
 
 CHUNKED, FUSED, MEGATRON = "chunked", "fused", "megatron"
+# The start of the reason when COC_PARALLEL_NUM=auto measured Megatron's own path fastest: CoC
+# stepping aside on purpose is not a "CoC did nothing" problem.
+AUTO_CHOSE_MEGATRON = "auto chose Megatron's own path"
 REPORT_VERSION = 1
 
 # Tensor-parallel linear classes of Megatron's Transformer Engine spec: none subclasses the
@@ -210,7 +213,9 @@ class Coverage:
                          "CoC does not see: CoC covers Megatron's local layers (--transformer-impl local); "
                          "Transformer Engine has its own overlap (--tp-comm-overlap)")
         totals = self.calls_by_route()
-        if totals[CHUNKED] + totals[FUSED] == 0:
+        reasons = {key[3] for r in self.records.values() for key in r.routes if key[0] == MEGATRON}
+        auto_stepped_aside = bool(reasons) and all(reason.startswith(AUTO_CHOSE_MEGATRON) for reason in reasons)
+        if totals[CHUNKED] + totals[FUSED] == 0 and not auto_stepped_aside:
             lines.append("CoC is on but no layer call went through it during the first step"
                          + (" (see the reasons above)" if totals[MEGATRON] else " (no patched layer was called)"))
         for name, origin in sorted(self.replaced.items()):

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from coc_inject import coverage, log
-from coc_inject.config import CocConfig
+from coc_inject.config import AUTO, CocConfig
 from coc_inject.pipeline import agreement
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
@@ -51,7 +51,7 @@ CASES = (
 )
 
 
-# Chunk count used when a fused kernel was asked for but none can run.
+# Chunk count of a fused kernel's backward pipelines when COC_PARALLEL_NUM names none.
 FUSED_FALLBACK_CHUNKS = 4
 
 
@@ -134,6 +134,7 @@ class CocEngine:
         self.layout = MatmulLayout.from_config(config)
         self.calls = 0  # CoC calls made (status / tests); fallbacks are not counted
         self.coverage = None  # coverage.Coverage, set by patching.install()
+        self.tuner = None  # tuning.Tuner, made at the first auto call
         if config.deterministic:
             # Read when the first communicator is built, so set before any kernel: ATB's LCCL
             # (deterministic tiling of its all-reduce) and HCCL (deterministic reductions; whether
@@ -165,8 +166,9 @@ class CocEngine:
         return chunks
 
     def _fallback_chunks(self) -> int:
-        """Chunks of the pipelines that run where a fused kernel was asked for but cannot."""
-        return self.config.parallel_num if self.config.parallel_num > 1 else FUSED_FALLBACK_CHUNKS
+        """Chunks of the pipelines that run where a fused kernel was asked for but cannot:
+        COC_PARALLEL_NUM if it names a count, else auto (tuned)."""
+        return self.config.parallel_num if self.config.parallel_num > 1 else AUTO
 
     def _kernel(self, op: str, x2d, weight, group, chunks: int):
         """The chunk count, or for ``chunks == -1`` (fused requested) a FusedKernel if a fused
@@ -177,15 +179,54 @@ class CocEngine:
 
         fallback_chunks = self._fallback_chunks()
         backend = registry.select(op, x2d, weight, group, self.config.fused_backend, "CoC",
-                                  f"using the chunked pipeline with {fallback_chunks} chunks")
+                                  "using the chunked pipeline with "
+                                  + ("auto-tuned chunks" if fallback_chunks == AUTO else f"{fallback_chunks} chunks"))
         if backend is None:
             return fallback_chunks
         log.once(("fused", op, backend.name), logging.INFO, f"{op}: fused kernel {backend.name}")
-        return FusedKernel(backend, fallback_chunks)
+        # The fused forward's backward pipelines need a count before any call is tuned.
+        return FusedKernel(backend, fallback_chunks if fallback_chunks != AUTO else FUSED_FALLBACK_CHUNKS)
 
     def ensure_agreement(self, group, device):
         """The once-per-group cross-rank config check (runs on the first CoC call anyway)."""
         agreement.ensure_same_config(group, self.config.fingerprint(), device, str(self.config.describe()))
+
+    # -- auto (COC_PARALLEL_NUM=auto) --------------------------------------------------------
+    def _tuned(self, layer, case: str, shape: tuple, inputs: tuple, weight, group, rows: int, kernel,
+               run_coc, run_megatron):
+        """``kernel`` itself, or for AUTO the count ``auto`` decided for this call's key (trials on
+        its first call); a Fallback when that is Megatron's own path (N=1).
+
+        ``inputs``: (CoC's input, Megatron's forward input): they differ for a Row layer whose
+        input Megatron scatters itself."""
+        if kernel != AUTO:
+            return kernel
+        from coc_inject.tuning import DecisionKey, Tuner, cache_for
+
+        if self.tuner is None:
+            self.tuner = Tuner(self.config, cache_for(self.config))
+        coc_input, megatron_input = inputs
+        backward = torch.is_grad_enabled() and (coc_input.requires_grad or weight.requires_grad)
+        key = DecisionKey(case, *shape, str(coc_input.dtype).replace("torch.", ""), group.size(),
+                          coc_input.device.type, backward)
+
+        def run(chunks: int) -> None:
+            # Detached input and gradient_accumulation_fusion off: a trial touches no parameter
+            # gradient (autograd.grad returns only the input's), whichever path it runs.
+            x = (megatron_input if chunks == 1 else coc_input).detach().requires_grad_(backward)
+            fusion, layer.gradient_accumulation_fusion = layer.gradient_accumulation_fusion, False
+            try:
+                output = run_megatron(x) if chunks == 1 else run_coc(x, chunks)
+                if backward:
+                    torch.autograd.grad(output, [x], torch.ones_like(output))
+            finally:
+                layer.gradient_accumulation_fusion = fusion
+
+        chunks = self.tuner.chunks(key, group, coc_input.device, rows, run)
+        if chunks == 1:
+            return Fallback(f"{coverage.AUTO_CHOSE_MEGATRON} (N=1) for [{shape[0]}, {shape[1]}, {shape[2]}]",
+                            expected=True)
+        return chunks
 
     # -- RowParallelLinear -----------------------------------------------------------------
     def row_forward(self, original, layer, input_, *args, **kwargs):
@@ -196,8 +237,8 @@ class CocEngine:
             layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
         if fallback is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
             fallback = Fallback(f"sequence length {input_.shape[0]} is not divisible by TP")
-        m = input_.numel() // input_.shape[-1] if input_.dim() else 0
-        chunks = self._chunks(layer, m, layer.input_size_per_partition, layer.output_size)
+        shape = row_shape(layer, input_)
+        chunks = self._chunks(layer, *shape)
         fallback = fallback or (chunks if isinstance(chunks, Fallback) else None)
         if fallback is not None:
             return self._fall_back(layer, row_shape, fallback, original, input_)
@@ -212,21 +253,29 @@ class CocEngine:
         self.ensure_agreement(group, input_parallel.device)
         op = "matmul_reduce_scatter" if layer.sequence_parallel else "matmul_all_reduce"
         x2d = input_parallel.reshape(-1, input_parallel.shape[-1])
-        kernel = self._kernel(op, x2d, layer.weight, group, chunks)
+        rows = x2d.shape[0] // group.size() if layer.sequence_parallel else x2d.shape[0]
+        kernel = self._tuned(
+            layer, "row-sp" if layer.sequence_parallel else "row", shape, (input_parallel, input_), layer.weight,
+            group, rows, self._kernel(op, x2d, layer.weight, group, chunks),
+            lambda x, n: self._row_output(layer, x, n, group), lambda x: original(layer, x)[0])
+        if isinstance(kernel, Fallback):
+            return self._fall_back(layer, row_shape, kernel, original, input_)
+        output = self._row_output(layer, input_parallel, kernel, group)
+        self._count_coc(layer, row_shape, kernel, input_, rows)
+        if layer.skip_bias_add:
+            return output, layer.bias
+        return (output + layer.bias if layer.bias is not None else output), None
+
+    def _row_output(self, layer, input_parallel, kernel, group):
         arguments = (layer.weight, kernel, group, layer.gradient_accumulation_fusion, self.layout)
         if isinstance(kernel, FusedKernel):
             function = FusedMatmulReduceScatter if layer.sequence_parallel else FusedMatmulAllReduce
             rows = input_parallel.shape[0] // group.size() if layer.sequence_parallel else input_parallel.shape[0]
+            x2d = input_parallel.reshape(-1, input_parallel.shape[-1])
             # 2-D through the Function, reshaped outside it: an ordinary view Megatron may edit in place.
-            output = function.apply(x2d, *arguments).view(rows, *input_parallel.shape[1:-1], -1)
-        else:
-            function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
-            output = function.apply(input_parallel, *arguments)
-        self._count_coc(layer, row_shape, kernel, input_,
-                        x2d.shape[0] // group.size() if layer.sequence_parallel else x2d.shape[0])
-        if layer.skip_bias_add:
-            return output, layer.bias
-        return (output + layer.bias if layer.bias is not None else output), None
+            return function.apply(x2d, *arguments).view(rows, *input_parallel.shape[1:-1], -1)
+        function = MatmulReduceScatter if layer.sequence_parallel else MatmulAllReduce
+        return function.apply(input_parallel, *arguments)
 
     # -- ColumnParallelLinear --------------------------------------------------------------
     def column_forward(self, original, layer, input_, weight=None, runtime_gather_output=None, *args, **kwargs):
@@ -252,7 +301,6 @@ class CocEngine:
         output_dtype = getattr(layer, "output_dtype", None)
         if output_dtype is not None and output_dtype != input_.dtype:
             return fall_back(Fallback(f"output_dtype {output_dtype} differs from the input dtype {input_.dtype}"))
-        tp_size = layer.tp_group.size()
         # The caller's ``weight`` argument is passed on unchanged by fall_back.
         matrix = layer.weight if weight is None else weight
         if matrix is None:
@@ -260,32 +308,48 @@ class CocEngine:
         fallback = _weight_fallback(layer, matrix, (layer.output_size_per_partition, layer.input_size))
         if fallback is not None:
             return fall_back(fallback)
-        rows = input_.numel() // input_.shape[-1]
-        m = rows * tp_size if sequence_parallel else rows
-        chunks = self._chunks(layer, m, layer.input_size, layer.output_size_per_partition)
+        shape = column_shape(layer, input_)
+        chunks = self._chunks(layer, *shape)
         if isinstance(chunks, Fallback):
             return fall_back(chunks)
 
         group = layer.tp_group
         self.ensure_agreement(group, input_.device)
-        x2d = input_.reshape(-1, input_.shape[-1])
         kernel = chunks
         if sequence_parallel:
-            kernel = self._kernel("all_gather_matmul", x2d, matrix, group, chunks)
+            kernel = self._kernel("all_gather_matmul", input_.reshape(-1, input_.shape[-1]), matrix, group, chunks)
+        elif chunks == -1:  # no communication to fuse in this forward; the backward is chunked
+            kernel = self._fallback_chunks()
+        rows = _rows(input_)
+        kernel = self._tuned(
+            layer, "column-sp" if sequence_parallel else "column-bwd", shape, (input_, input_), matrix, group,
+            rows, kernel,
+            lambda x, n: self._column_finish(layer, self._column_output(layer, x, matrix, n, group),
+                                             runtime_gather_output, group)[0],
+            lambda x: original(layer, x, weight, runtime_gather_output)[0])
+        if isinstance(kernel, Fallback):
+            return fall_back(kernel)
+        output_parallel = self._column_output(layer, input_, matrix, kernel, group)
+        self._count_coc(layer, column_shape, kernel, input_, rows)
+        return self._column_finish(layer, output_parallel, runtime_gather_output, group)
+
+    def _column_output(self, layer, input_, matrix, kernel, group):
+        tp_size = group.size()
+        if layer.sequence_parallel:
             arguments = (matrix, kernel, group, layer.gradient_accumulation_fusion, self.layout,
                          self.config.recompute_all_gather)
             if isinstance(kernel, FusedKernel):
+                x2d = input_.reshape(-1, input_.shape[-1])
                 output_parallel, _ = FusedAllGatherMatmul.apply(x2d, *arguments)
-                output_parallel = output_parallel.view(input_.shape[0] * tp_size, *input_.shape[1:-1], -1)
-            else:
-                output_parallel, _ = AllGatherMatmul.apply(input_, *arguments)
-        else:
-            if chunks == -1:  # no communication to fuse in this forward; the backward is chunked
-                kernel = self._fallback_chunks()
-            output_parallel = MatmulWithChunkedGradAllReduce.apply(
-                input_, matrix, kernel, group, layer.gradient_accumulation_fusion, self.layout
-            )
-        self._count_coc(layer, column_shape, kernel, input_, rows)
+                return output_parallel.view(input_.shape[0] * tp_size, *input_.shape[1:-1], -1)
+            output_parallel, _ = AllGatherMatmul.apply(input_, *arguments)
+            return output_parallel
+        return MatmulWithChunkedGradAllReduce.apply(
+            input_, matrix, kernel, group, layer.gradient_accumulation_fusion, self.layout
+        )
+
+    def _column_finish(self, layer, output_parallel, runtime_gather_output, group):
+        """Bias and the output gather, as Megatron's forward does them."""
         if not layer.skip_bias_add and layer.bias is not None:
             output_parallel = output_parallel + layer.bias
         gather_output = layer.gather_output if runtime_gather_output is None else runtime_gather_output

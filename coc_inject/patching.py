@@ -134,7 +134,9 @@ def _rank_and_world() -> tuple[int, int]:
 
 def banner(config, version: str | None) -> str:
     rank, world = _rank_and_world()
-    chunks = "fused" if config.fused else f"N={config.parallel_num}"
+    from coc_inject.config import AUTO
+
+    chunks = "fused" if config.fused else "N=auto" if config.parallel_num == AUTO else f"N={config.parallel_num}"
     return (
         f"CoC installed: pid {os.getpid()}, rank {rank}/{world}, mode {config.mode}, {chunks}, "
         f"megatron-core {version}, coc-inject {__version__}, patched "

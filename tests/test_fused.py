@@ -15,6 +15,12 @@ EXPECTED_KERNELS = {
 }
 
 
+def fixed_backward_count(kind, sp):
+    """Column without SP has no fused forward; its chunked backward needs a count. Without
+    COC_PARALLEL_NUM it would be tuned (auto, see test_fused_request_without_a_kernel_tunes)."""
+    return {"config_options": {"parallel_num": 4}} if (kind, sp) == ("column", False) else {}
+
+
 def check_fused(results, kind, sp):
     for rank, result in enumerate(results):
         assert result["coc_calls"] == 1
@@ -27,7 +33,8 @@ def check_fused(results, kind, sp):
 
 @pytest.mark.parametrize("kind,sp,options", CASES, ids=CASE_IDS)
 def test_fused_megatron_path_tp2(pool2, kind, sp, options):
-    results = pool2.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=14)
+    results = pool2.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=14,
+                        **fixed_backward_count(kind, sp))
     check_fused(results, kind, sp)
     if kind == "row" and not sp:
         assert "matmul_all_reduce: fused kernel atb" in results[0]["log"]
@@ -35,7 +42,8 @@ def test_fused_megatron_path_tp2(pool2, kind, sp, options):
 
 @pytest.mark.parametrize("kind,sp,options", CASES, ids=CASE_IDS)
 def test_fused_megatron_path_tp4(pool4, kind, sp, options):
-    check_fused(pool4.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=12, batch=1), kind, sp)
+    check_fused(pool4.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=12, batch=1,
+                          **fixed_backward_count(kind, sp)), kind, sp)
 
 
 def test_deterministic_mode_reaches_the_kernel(pool2):
@@ -51,7 +59,7 @@ def test_deterministic_mode_reaches_the_kernel(pool2):
 ])
 def test_outside_the_backend_says_why_and_runs_chunked(pool2, fake, dtype, fragment):
     results = pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=False, seq=14,
-                        dtype=dtype, fake=fake)
+                        dtype=dtype, fake=fake, config_options={"parallel_num": 4})
     bound = BF16_BOUND if dtype == "bfloat16" else 1e-5
     for result in results:
         assert result["coc_calls"] == 1 and max(result["errors"].values()) <= bound
@@ -59,6 +67,17 @@ def test_outside_the_backend_says_why_and_runs_chunked(pool2, fake, dtype, fragm
         assert result["log"].count("no fused backend can run it") == 1 and fragment in result["log"]
         if fake:
             assert result["fake"]["calls"] == []
+
+
+def test_fused_request_without_a_kernel_tunes(pool2):
+    # USE_COC_FUSED_KERNEL=1 alone, no kernel for the call: the chunked pipeline's count is auto.
+    results = pool2.run("fused_cases:compare_fused", kind="row", sequence_parallel=False, seq=14, fake=False)
+    decisions = [line for line in results[0]["log"].splitlines() if line.startswith("auto: row [28, 64, 64]")]
+    assert len(decisions) == 1, results[0]["log"]
+    assert "using the chunked pipeline with auto-tuned chunks" in results[0]["log"]
+    for result in results:
+        assert max(result["errors"].values()) <= BF16_BOUND
+        assert result["log"].count("auto: row [28, 64, 64]") == len(decisions)  # rank 1 logs at debug
 
 
 def test_pinned_chunked_never_uses_the_kernel(pool2):
@@ -115,7 +134,8 @@ EXPECTED_MC2 = {
 @pytest.mark.parametrize("kind,sp,options", CASES, ids=CASE_IDS)
 def test_mc2_megatron_path_tp2(pool2, kind, sp, options):
     results = pool2.run("fused_cases:compare_fused", kind=kind, sequence_parallel=sp, seq=14, hidden=256,
-                        ffn=512, config_options={"fused_backend": "mc2"})
+                        ffn=512, config_options={"fused_backend": "mc2",
+                                                 **fixed_backward_count(kind, sp).get("config_options", {})})
     for result in results:
         assert result["coc_calls"] == 1 and max(result["errors"].values()) <= BF16_BOUND, result["errors"]
         assert result["fake"]["calls"] == []  # ATB never consulted when mc2 is pinned

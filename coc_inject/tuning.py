@@ -1,0 +1,190 @@
+"""``COC_PARALLEL_NUM=auto``: each shape's chunk count, chosen at run time, the same on every rank.
+
+A decision is made once per :class:`DecisionKey` (layer case, m, k, n, dtype, TP size, device,
+communication backend, with or without backward), at the first call of that key:
+
+1. **Cache, agreed.** Group rank 0 looks the key up in the tune cache and broadcasts what it
+   found; every rank of the group uses that, whatever its own cache file says.
+2. **Trials** when nothing is cached: every candidate -- Megatron's own path (N=1) and each CoC
+   chunk count the rows allow -- runs forward and backward on this call's real input (one
+   warm-up round, then ``TIMED_ROUNDS`` timed rounds in rotating order; a barrier before each
+   run, device synchronisation around it on CUDA/NPU, wall clock on CPU). The trials run on
+   detached inputs and return nothing to autograd: no parameter gradient is touched, the job's
+   own call runs afterwards with the decision. Each run's time is all-reduced with MAX over the
+   group, so every rank sees the same numbers and decides the same N. A CoC count wins only if
+   its median beats N=1's by more than the noise (the larger of ``NOISE_FLOOR`` of N=1's median
+   and the half-ranges of both candidates' timings); otherwise N=1: Megatron's own forward.
+3. The decision is logged once and written to the cache by group rank 0.
+
+With ``COC_DETERMINISTIC=1`` no trials run (timings differ from run to run, and so would the
+chunking): a cached decision is used, else N=1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from coc_inject import log
+
+TIMED_ROUNDS = 3
+NOISE_FLOOR = 0.03  # a CoC count must be at least 3% faster than Megatron's path
+
+
+@dataclass(frozen=True)
+class DecisionKey:
+    case: str  # row | row-sp | column-sp | column-bwd
+    m: int
+    k: int
+    n: int
+    dtype: str
+    tp: int
+    device: str  # device type
+    backward: bool
+
+    def text(self) -> str:
+        return (f"{self.case} [{self.m}, {self.k}, {self.n}] {self.dtype} TP{self.tp} {self.device}"
+                + ("" if self.backward else " forward-only"))
+
+
+@dataclass(frozen=True)
+class Decision:
+    chunks: int
+    source: str  # "trials" | "cache" | "deterministic default"
+    times_ms: dict  # candidate -> median ms (trials only)
+    noise_ms: float = 0.0
+
+    def describe(self, key: DecisionKey) -> str:
+        chosen = "Megatron's own path (N=1)" if self.chunks == 1 else f"N={self.chunks}"
+        text = f"auto: {key.text()} -> {chosen} ({self.source}"
+        if self.times_ms:
+            times = ", ".join(f"N={c} {t:.2f} ms" for c, t in sorted(self.times_ms.items()))
+            text += f": {times}; noise {self.noise_ms:.2f} ms; median of {TIMED_ROUNDS} runs, max over ranks"
+        return text + ")"
+
+
+def choose(samples: dict) -> tuple[int, float]:
+    """(chunks, noise) from per-candidate timed samples (seconds or ms, any unit); pure.
+
+    The fastest CoC count by median wins only if it beats N=1 by more than the noise."""
+    medians = {c: statistics.median(v) for c, v in samples.items()}
+    baseline = medians[1]
+    best = min((c for c in medians if c != 1), key=lambda c: (medians[c], c), default=1)
+    if best == 1:
+        return 1, 0.0
+
+    def half_range(values):
+        return (max(values) - min(values)) / 2
+
+    noise = max(NOISE_FLOOR * baseline, half_range(samples[1]), half_range(samples[best]))
+    return (best if baseline - medians[best] > noise else 1), noise
+
+
+def schedule(candidates: list, rounds: int = TIMED_ROUNDS) -> list:
+    """Warm-up round (in order), then ``rounds`` timed rounds, each rotated by one: drift in
+    the machine's speed spreads over all candidates."""
+    timed = []
+    for r in range(rounds):
+        shift = r % len(candidates)
+        timed += candidates[shift:] + candidates[:shift]
+    return list(candidates), timed
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize()  # torch_npu registers torch.npu
+
+
+def hardware_identity(device: torch.device, group) -> str:
+    """What a cached decision is only valid for: device (or host) name, world and TP size, backend."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "npu":
+        name = torch.npu.get_device_name()
+    else:
+        import socket
+
+        name = f"host {socket.gethostname()}"
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return f"{name}; world {world}; TP {group.size()}; {dist.get_backend(group)}"
+
+
+class Tuner:
+    """Decisions of one process, per key; see the module docstring."""
+
+    def __init__(self, config, cache=None):
+        self.config = config
+        self.cache = cache  # tune_cache.TuneCache or None
+        self.decisions: dict[DecisionKey, Decision] = {}
+        self.timer = time.perf_counter  # tests skew it per rank
+
+    def chunks(self, key: DecisionKey, group, device: torch.device, rows: int, run: Callable[[int], None]) -> int:
+        decision = self.decisions.get(key)
+        if decision is None:
+            decision = self.decisions[key] = self._decide(key, group, device, rows, run)
+        return decision.chunks
+
+    def _decide(self, key, group, device, rows, run) -> Decision:
+        identity = hardware_identity(device, group)
+        cached = self._agreed_cached(key, identity, group, device)
+        if cached is not None:
+            decision = Decision(cached, "cache", {})
+        elif self.config.deterministic:
+            decision = Decision(1, "deterministic default: COC_DETERMINISTIC=1 runs no trials and "
+                                   "nothing is cached for it", {})
+        else:
+            candidates = [1] + [c for c in self.config.tune_candidates if c <= rows]
+            samples = self._trials(candidates, group, device, run)
+            chunks, noise = choose(samples)
+            decision = Decision(chunks, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
+                                noise * 1e3)
+            if self.cache is not None and group.rank() == 0:
+                self.cache.put(self.cache.key(key, identity), chunks, decision.times_ms)
+        level = logging.INFO if dist.get_rank() == 0 else logging.DEBUG
+        log.logger.log(level, decision.describe(key))
+        return decision
+
+    def _agreed_cached(self, key, identity, group, device) -> int | None:
+        mine = self.cache.get(self.cache.key(key, identity)) if self.cache is not None else None
+        value = torch.tensor([mine or 0], dtype=torch.int64, device=device)
+        dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+        agreed = int(value.item())
+        return agreed if agreed >= 1 else None
+
+    def _trials(self, candidates, group, device, run) -> dict:
+        warm_up, timed = schedule(candidates)
+        for chunks in warm_up:
+            run(chunks)
+        barrier = torch.zeros(1, device=device)
+        seconds = []
+        for chunks in timed:
+            dist.all_reduce(barrier, group=group)
+            synchronize(device)
+            start = self.timer()
+            run(chunks)
+            synchronize(device)
+            seconds.append(self.timer() - start)
+        times = torch.tensor(seconds, dtype=torch.float64, device=device)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+        samples: dict = {c: [] for c in candidates}
+        for chunks, t in zip(timed, times.tolist()):
+            samples[chunks].append(t)
+        return samples
+
+
+def cache_for(config):
+    """The TuneCache of this config (None with COC_TUNE_CACHE=off)."""
+    if config.tune_cache is None:
+        return None
+    from coc_inject.tune_cache import TuneCache
+
+    return TuneCache(os.path.expanduser(config.tune_cache))
