@@ -110,6 +110,14 @@ class RankPool:
             conn.send((path, kwargs))
         return self._collect(path)
 
+    def run_per_rank(self, path: str, kwargs_by_rank: list) -> list:
+        """Like run(), with its own keyword arguments for each rank."""
+        if self.broken:
+            raise RuntimeError(f"worker pool is unusable after an earlier failure:\n{self.broken}")
+        for conn, kwargs in zip(self.conns, kwargs_by_rank, strict=True):
+            conn.send((path, kwargs))
+        return self._collect(path)
+
     def close(self) -> None:
         for conn in self.conns:
             try:

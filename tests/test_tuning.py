@@ -1,0 +1,183 @@
+"""COC_PARALLEL_NUM=auto (issue 10): the decision rule, the cache, and real layers on 2 and 4
+gloo ranks: equal results to unpatched Megatron, identical decisions on every rank even when one
+rank's timings are skewed, cached decisions run no trials, deterministic mode."""
+
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from coc_inject import tuning
+from coc_inject.tune_cache import TuneCache
+from coc_inject.tuning import DecisionKey
+
+KEY = DecisionKey("row", 32, 32, 32, "float32", 2, "cpu", True)
+
+
+# -- the rule, pure ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("samples,expected", [
+    ({1: [10, 10, 10], 2: [8, 8, 8], 4: [9, 9, 9]}, 2),       # clearly faster
+    ({1: [10, 10, 10], 2: [9.8, 9.8, 9.8]}, 1),               # 2% < the 3% floor
+    ({1: [10, 6, 14], 2: [7, 7, 7]}, 1),                      # inside N=1's own spread (+-4)
+    ({1: [10, 10, 10], 2: [6, 6, 6], 4: [6, 6, 6]}, 2),       # a tie goes to fewer chunks
+    ({1: [10, 10, 10]}, 1),                                   # no CoC candidate (rows too few)
+    ({1: [5, 5, 5], 2: [8, 8, 8]}, 1),                        # CoC slower
+])
+def test_choice_beats_megatron_by_more_than_the_noise(samples, expected):
+    assert tuning.choose(samples)[0] == expected
+
+
+def test_schedule_warms_up_then_rotates():
+    warm_up, timed = tuning.schedule([1, 2, 4], rounds=3)
+    assert warm_up == [1, 2, 4]
+    assert timed == [1, 2, 4, 2, 4, 1, 4, 1, 2]
+
+
+# -- the cache -----------------------------------------------------------------------------------
+
+
+def test_cache_round_trip_and_identity(tmp_path):
+    path = str(tmp_path / "sub" / "tune.json")
+    cache = TuneCache(path)
+    assert cache.get(cache.key(KEY, "host a")) is None
+    cache.put(cache.key(KEY, "host a"), 4, {1: 10.0, 4: 7.5})
+    fresh = TuneCache(path)
+    assert fresh.get(fresh.key(KEY, "host a")) == 4
+    assert fresh.get(fresh.key(KEY, "host b")) is None  # another machine: not valid there
+    data = json.loads(open(path).read())
+    assert data["version"] == 1 and list(data["entries"].values())[0]["times_ms"] == {"1": 10.0, "4": 7.5}
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"version": 9, "entries": {}}', "[]"])
+def test_corrupt_cache_is_one_warning_and_empty(tmp_path, caplog, content):
+    from coc_inject import log
+
+    log.reset_once()
+    path = tmp_path / "tune.json"
+    path.write_text(content)
+    cache = TuneCache(str(path))
+    with caplog.at_level("WARNING", logger="coc_inject"):
+        assert cache.get(cache.key(KEY, "h")) is None
+        assert cache.get(cache.key(KEY, "h")) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "unreadable or corrupt" in said[0] and str(path) in said[0]
+    cache.put(cache.key(KEY, "h"), 2, {})
+    assert TuneCache(str(path)).get(cache.key(KEY, "h")) == 2  # rewritten, valid again
+
+
+def _writer(path, worker, count):
+    cache = TuneCache(path)
+    for i in range(count):
+        cache.put(json.dumps([worker, i]), 2 + (i % 3), {1: 1.0})
+
+
+def test_concurrent_writers_lose_nothing(tmp_path):
+    path = str(tmp_path / "tune.json")
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_writer, args=(path, w, 25)) for w in range(4)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(60)
+        assert p.exitcode == 0
+    entries = json.loads(open(path).read())["entries"]
+    assert len(entries) == 100
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".tune-")]  # no temporaries left
+
+
+def test_unwritable_cache_is_one_warning(tmp_path, caplog):
+    from coc_inject import log
+
+    log.reset_once()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cache = TuneCache(str(blocker / "tune.json"))  # its directory is a file
+    with caplog.at_level("WARNING", logger="coc_inject"):
+        cache.put(cache.key(KEY, "h"), 2, {})
+        cache.put(cache.key(KEY, "h"), 4, {})
+    assert len(caplog.records) == 1 and "cannot write the tune cache" in caplog.records[0].getMessage()
+    assert cache.get(cache.key(KEY, "h")) == 4  # still used in this run
+
+
+# -- real layers ---------------------------------------------------------------------------------
+
+CASES = [("row", False), ("row", True), ("column", True), ("column", False)]
+IDS = ["row", "row-sp", "column-sp", "column-bwd"]
+
+
+@pytest.mark.parametrize("kind,sp", CASES, ids=IDS)
+def test_auto_matches_unpatched_and_agrees(pool2, kind, sp):
+    results = pool2.run("tuning_cases:auto_call", kind=kind, sequence_parallel=sp)
+    for result in results:
+        assert result["errors"] <= 1e-5
+        assert result["grads_only_from_real_calls"]  # trials added nothing to any gradient
+        assert len(result["decisions"]) == 1 and result["decisions"][0][1] == "trials"
+    assert results[0]["decisions"] == results[1]["decisions"]
+    chosen = results[0]["decisions"][0][0]
+    assert results[0]["coc_calls"] == (0 if chosen == 1 else 2)
+
+
+@pytest.mark.parametrize("slow,expect_coc", [((1,), True), ((2, 4, 8), False)], ids=["megatron-slow", "coc-slow"])
+def test_one_rank_skewed_every_rank_decides_the_same(pool2, slow, expect_coc):
+    # Rank 1 alone sees the slow runs; MAX over the group makes rank 0 decide as it does.
+    results = pool2.run("tuning_cases:auto_call", kind="row", sequence_parallel=True,
+                        skew={1: (slow, 0.05)})
+    decisions = [r["decisions"] for r in results]
+    assert decisions[0] == decisions[1]
+    assert (decisions[0][0][0] != 1) is expect_coc
+    for result in results:
+        assert result["errors"] <= 1e-5
+
+
+def test_skew_on_four_ranks(pool4):
+    results = pool4.run("tuning_cases:auto_call", kind="column", sequence_parallel=True, seq=32,
+                        skew={3: ((1,), 0.05)})
+    assert all(r["decisions"] == results[0]["decisions"] for r in results)
+    assert results[0]["decisions"][0][0] != 1 and all(r["errors"] <= 1e-5 for r in results)
+
+
+def test_second_run_with_the_cache_runs_no_trial(pool2, tmp_path):
+    path = str(tmp_path / "tune.json")
+    first = pool2.run("tuning_cases:auto_call", kind="row", sequence_parallel=True, cache=path,
+                      skew={0: ((1,), 0.05)})
+    second = pool2.run("tuning_cases:auto_call", kind="row", sequence_parallel=True, cache=path)
+    chosen = first[0]["decisions"][0][0]
+    assert chosen != 1
+    for result in second:
+        assert result["decisions"] == [(chosen, "cache")]
+        assert "(trials" not in result["log"] and "(cache)" in result["log"]
+
+
+def test_ranks_with_different_caches_use_rank_zeros(pool2, tmp_path):
+    # Each rank reads its own file: rank 0 says 4, rank 1 says 8.
+    for rank, chunks in ((0, 4), (1, 8)):
+        cache = TuneCache(str(tmp_path / f"r{rank}.json"))
+        key = DecisionKey("row-sp", 32, 32, 32, "float32", 2, "cpu", True)
+        import socket
+
+        cache.put(cache.key(key, f"host {socket.gethostname()}; world 2; TP 2; gloo"), chunks, {})
+    results = pool2.run_per_rank("tuning_cases:auto_call",
+                                 [dict(kind="row", sequence_parallel=True, cache=str(tmp_path / f"r{r}.json"))
+                                  for r in range(2)])
+    for result in results:
+        assert result["decisions"] == [(4, "cache")] and result["coc_calls"] == 2 and result["errors"] <= 1e-5
+
+
+def test_deterministic_runs_no_trial_and_repeats_bitwise(pool2):
+    runs = [pool2.run("tuning_cases:auto_call", kind="row", sequence_parallel=True, deterministic=True)
+            for _ in range(2)]
+    for results in runs:
+        for result in results:
+            assert result["decisions"][0][0] == 1 and result["decisions"][0][1].startswith("deterministic default")
+            assert result["errors"] == 0.0  # Megatron's own path: the same numbers as unpatched
+
+
+def test_auto_on_one_rank_fixed_on_another_is_an_error_everywhere(pool2):
+    from coc_inject.config import AUTO
+
+    messages = pool2.run("layer_cases:mismatched_config", chunks_by_rank=[AUTO, 4])
+    for message in messages:
+        assert message is not None and "differs across the ranks" in message
