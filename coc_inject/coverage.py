@@ -91,6 +91,7 @@ class Coverage:
         self._report_written = False
         self._report_enabled = False  # set by arm() once the report directory is known writable
         self._previous_sigterm = None
+        self.decisions = dict  # () -> {DecisionKey: Decision} of COC_PARALLEL_NUM=auto (set by install)
 
     # -- the hot path --------------------------------------------------------------------
     def count(self, layer, key: tuple, input_, shape_of) -> None:
@@ -248,6 +249,11 @@ class Coverage:
             "local_layers": self.local_layers,
             "foreign_layers": dict(sorted(self.foreign_layers.items())),
             "replaced_forwards": dict(sorted(self.replaced.items())),
+            "auto_decisions": [
+                {"key": key.text(), "case": key.case, "shape": [key.m, key.k, key.n], "dtype": key.dtype,
+                 "chunks": decision.chunks, "source": decision.source,
+                 "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
+                for key, decision in self.decisions().items()],
         }
 
     def _on_sigterm(self, signum, frame):

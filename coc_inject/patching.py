@@ -109,6 +109,8 @@ def install(config=None, layers_module=None) -> bool:
         _originals[cls] = original
         cls.forward = patched[cls] = _wrap(original, routes[name])
     _engine.coverage = Coverage(config, patched)
+    engine_ = _engine
+    _engine.coverage.decisions = lambda: engine_.tuner.decisions if engine_.tuner is not None else {}
     _engine.coverage.arm()
     return True
 

@@ -29,10 +29,10 @@ def coc_env(chunks: int, **extra):
     return clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM=str(chunks), **extra)
 
 
-def torchrun(script, script_args, env, workdir, link=None, timeout=600) -> subprocess.CompletedProcess:
+def torchrun(script, script_args, env, workdir, link=None, timeout=600, ranks=RANKS) -> subprocess.CompletedProcess:
     run = [sys.executable, "-m", "torch.distributed.run"]
     if link is None:
-        command = [*run, "--nproc-per-node", str(RANKS), "--standalone", str(script), *script_args]
+        command = [*run, "--nproc-per-node", str(ranks), "--standalone", str(script), *script_args]
         return subprocess.run(command, env=env, cwd=workdir, capture_output=True, text=True, timeout=timeout)
     env = dict(env, GLOO_SOCKET_IFNAME="cocl", OMP_NUM_THREADS="1")
     procs = []
