@@ -4,9 +4,9 @@
   run in Python processes started from this environment, the shadowed sitecustomize it
   chains, the megatron-core version, importable fused backends and the handled cases.
   Exits 1 on a bad configuration, so it can gate a job script.
-* ``run [N|fused|off] -- CMD ...``: put the bootstrap on PYTHONPATH and exec CMD
+* ``run [N|auto|fused|off] -- CMD ...``: put the bootstrap on PYTHONPATH and exec CMD
   (like ``ddtrace-run``); the optional first word sets the toggles as ``env/coc.sh`` does.
-* ``env [N|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
+* ``env [N|auto|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
 * ``reference``: the environment-variable and config-file reference as markdown tables.
 * ``report PATH ...``: the ``COC_REPORT`` files of a job as tables (per layer: route, chunks, calls, reason).
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
@@ -36,10 +36,11 @@ def toggles(mode: str | None) -> dict:
         return {"COC_DISABLE": "1"}
     if mode == "fused":
         return {"USE_COC_FUSED_KERNEL": "1", "COC_DISABLE": None}
-    if mode.isdigit() and int(mode) >= 1:
-        return {"COC_PARALLEL_NUM": str(int(mode)), "USE_COC_FUSED_KERNEL": "0", "COC_DISABLE": None}
+    if mode == "auto" or (mode.isdigit() and int(mode) >= 1):
+        return {"COC_PARALLEL_NUM": mode if mode == "auto" else str(int(mode)), "USE_COC_FUSED_KERNEL": "0",
+                "COC_DISABLE": None}
     raise SystemExit(f"coc-inject: mode={mode!r} is invalid: expected a positive integer N (chunk count), "
-                     "'fused' or 'off'")
+                     "'auto', 'fused' or 'off'")
 
 
 def pythonpath_with_bootstrap(current: str | None, site_dir: str) -> str:
@@ -69,11 +70,11 @@ def cmd_env(args) -> int:
 def cmd_run(args) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     mode = None
-    if command and command[0] not in ("--",) and (command[0] in ("fused", "off") or command[0].isdigit()):
+    if command and command[0] not in ("--",) and (command[0] in ("fused", "off", "auto") or command[0].isdigit()):
         mode, command = command[0], command[1:]
         command = command[1:] if command[:1] == ["--"] else command
     if not command:
-        raise SystemExit("coc-inject run: no command given (usage: coc-inject run [N|fused|off] -- CMD ...)")
+        raise SystemExit("coc-inject run: no command given (usage: coc-inject run [N|auto|fused|off] -- CMD ...)")
     for name, value in _environment_for(mode).items():
         if value is None:
             os.environ.pop(name, None)
@@ -229,10 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command_name", required=True)
     commands.add_parser("status", help="show configuration, bootstrap and backends").set_defaults(func=cmd_status)
     run = commands.add_parser("run", help="run a command with the bootstrap on PYTHONPATH")
-    run.add_argument("command", nargs=argparse.REMAINDER, help="[N|fused|off] -- CMD ...")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="[N|auto|fused|off] -- CMD ...")
     run.set_defaults(func=cmd_run)
     env = commands.add_parser("env", help="print shell exports")
-    env.add_argument("mode", nargs="?", help="N (chunk count) | fused | off")
+    env.add_argument("mode", nargs="?", help="N (chunk count) | auto | fused | off")
     env.set_defaults(func=cmd_env)
     commands.add_parser("reference", help="print the variable reference (markdown)").set_defaults(func=cmd_reference)
     report = commands.add_parser("report", help="print COC_REPORT files as tables")

@@ -2,6 +2,7 @@
 #
 #   source env/coc.sh          put the bootstrap on PYTHONPATH (CoC stays as the COC_* variables say)
 #   source env/coc.sh 4        ... and chunked CoC with 4 chunks  (COC_PARALLEL_NUM=4 USE_COC_FUSED_KERNEL=0)
+#   source env/coc.sh auto     ... and chunk counts tuned per shape (COC_PARALLEL_NUM=auto USE_COC_FUSED_KERNEL=0)
 #   source env/coc.sh fused    ... and the fused kernel           (USE_COC_FUSED_KERNEL=1)
 #   source env/coc.sh off      ... and the master switch off      (COC_DISABLE=1)
 #
@@ -28,9 +29,9 @@ _coc_inject_env() {
 
     # Validate the argument before changing anything.
     case "$_coc_arg" in
-        ""|fused|off) ;;
+        ""|fused|off|auto) ;;
         *[!0-9]*|0*)
-            printf '%s\n' "[coc-inject] error: unknown argument '$_coc_arg'; allowed: a positive integer N (chunk count), 'fused', 'off', or nothing" >&2
+            printf '%s\n' "[coc-inject] error: unknown argument '$_coc_arg'; allowed: a positive integer N (chunk count), 'auto', 'fused', 'off', or nothing" >&2
             return 1 ;;
     esac
 

@@ -501,7 +501,7 @@ def test_coc_sh_puts_bootstrap_on_pythonpath_once(tmp_path, shell, initial, expe
 @pytest.mark.parametrize(
     "arg, expected",
     [("4", "4|0|<unset>"), ("16", "16|0|<unset>"), ("fused", "<unset>|1|<unset>"),
-     ("off", "<unset>|<unset>|1")],
+     ("off", "<unset>|<unset>|1"), ("auto", "auto|0|<unset>")],
 )
 def test_coc_sh_arguments(tmp_path, shell, arg, expected):
     (tmp_path / "sub").mkdir()

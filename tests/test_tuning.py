@@ -181,3 +181,12 @@ def test_auto_on_one_rank_fixed_on_another_is_an_error_everywhere(pool2):
     messages = pool2.run("layer_cases:mismatched_config", chunks_by_rank=[AUTO, 4])
     for message in messages:
         assert message is not None and "differs across the ranks" in message
+
+
+def test_cli_modes_accept_auto():
+    from coc_inject.cli import toggles
+
+    assert toggles("auto") == {"COC_PARALLEL_NUM": "auto", "USE_COC_FUSED_KERNEL": "0", "COC_DISABLE": None}
+    assert toggles("4")["COC_PARALLEL_NUM"] == "4"
+    with pytest.raises(SystemExit, match="'auto', 'fused' or 'off'"):
+        toggles("autotune")
