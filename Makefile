@@ -20,9 +20,9 @@ VENV ?= .venv
 VENV_MIDDLE ?= .venv-megatron-$(MEGATRON_MIDDLE)
 VENV_OLDEST ?= .venv-megatron-$(MEGATRON_OLDEST)
 SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/dev/null)
-# What runs on the older releases: everything that touches Megatron's layers or a real launch.
+# What runs on the older releases: the suites that touch Megatron's layers or launch a job.
 LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_patching.py \
-	tests/test_megatron_guards.py tests/test_injection_e2e.py
+	tests/test_megatron_guards.py tests/test_injection_e2e.py tests/test_tuning.py tests/test_coverage.py
 
 LINK ?= 1gbit
 
