@@ -81,7 +81,8 @@ class Coverage:
     def __init__(self, config, patched_forwards: dict):
         self.config = config
         self.patched_forwards = patched_forwards  # class -> the forward install() put there
-        self.records: dict[int, LayerRecord] = {}
+        self.records: dict[int, LayerRecord] = {}  # by id() of the live layer
+        self._retired: list[LayerRecord] = []
         self.foreign_layers: dict[str, int] = {}
         self.replaced: dict[str, str] = {}  # class name -> module of the forward now in place
         self.local_layers = 0
@@ -103,19 +104,25 @@ class Coverage:
 
     def _new_record(self, layer, input_, shape_of) -> LayerRecord:
         record = LayerRecord(weakref.ref(layer), type(layer).__name__, list(shape_of(layer, input_)))
+        previous = self.records.get(id(layer))
+        if previous is not None:  # a freed layer's id, reused: keep what it did
+            self._retired.append(previous)
         self.records[id(layer)] = record
         return record
+
+    def all_records(self) -> list:
+        return self._retired + list(self.records.values())
 
     # -- totals ----------------------------------------------------------------------------
     def calls_by_route(self) -> dict:
         totals = {CHUNKED: 0, FUSED: 0, MEGATRON: 0}
-        for record in self.records.values():
+        for record in self.all_records():
             for (route, *_), calls in record.routes.items():
                 totals[route] += calls
         return totals
 
     def coc_layers(self) -> int:
-        return sum(1 for r in self.records.values() if any(key[0] != MEGATRON for key in r.routes))
+        return sum(1 for r in self.all_records() if any(key[0] != MEGATRON for key in r.routes))
 
     # -- the model: names, foreign layers, replaced forwards -----------------------------------
     def inspect_model(self) -> None:
@@ -192,13 +199,13 @@ class Coverage:
     def summary_line(self) -> str:
         totals = self.calls_by_route()
         tp_layers = self.local_layers + sum(self.foreign_layers.values())
-        routes = [f"{totals[CHUNKED]} chunked ({_chunk_counts(self.records)})" if totals[CHUNKED] else None,
+        routes = [f"{totals[CHUNKED]} chunked ({_chunk_counts(self.all_records())})" if totals[CHUNKED] else None,
                   f"{totals[FUSED]} fused" if totals[FUSED] else None,
                   f"{totals[MEGATRON]} Megatron's own" if totals[MEGATRON] else None]
         text = (f"first step: CoC on {self.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
                 + (", ".join(r for r in routes if r) or "none"))
         reasons = {}
-        for record in self.records.values():
+        for record in self.all_records():
             for (route, _, _, reason), calls in record.routes.items():
                 if route == MEGATRON:
                     reasons[reason] = reasons.get(reason, 0) + calls
@@ -214,7 +221,7 @@ class Coverage:
                          "CoC does not see: CoC covers Megatron's local layers (--transformer-impl local); "
                          "Transformer Engine has its own overlap (--tp-comm-overlap)")
         totals = self.calls_by_route()
-        reasons = {key[3] for r in self.records.values() for key in r.routes if key[0] == MEGATRON}
+        reasons = {key[3] for r in self.all_records() for key in r.routes if key[0] == MEGATRON}
         auto_stepped_aside = bool(reasons) and all(reason.startswith(AUTO_CHOSE_MEGATRON) for reason in reasons)
         if totals[CHUNKED] + totals[FUSED] == 0 and not auto_stepped_aside:
             lines.append("CoC is on but no layer call went through it during the first step"
@@ -229,7 +236,7 @@ class Coverage:
         from coc_inject.patching import megatron_version
 
         layers = []
-        for record in self.records.values():
+        for record in self.all_records():
             for (route, chunks, backend, reason), calls in record.routes.items():
                 layers.append({
                     "name": record.name or f"{record.cls}[{record.shape[1]}x{record.shape[2]}]",
@@ -335,5 +342,5 @@ def _qualified_name(layer, parents: dict) -> str | None:
 
 
 def _chunk_counts(records) -> str:
-    counts = sorted({key[1] for r in records.values() for key in r.routes if key[0] == CHUNKED})
+    counts = sorted({key[1] for r in records for key in r.routes if key[0] == CHUNKED})
     return "N=" + "/".join(map(str, counts))

@@ -181,3 +181,17 @@ def test_cli_report_prints_a_table(tmp_path):
     assert fc2[1:] == ["RowParallelLinear", "[64,", "32,", "32]", "chunked", "4", "3"]
     assert "rank 0/2, megatron-core 0.19.2, mode chunked; calls: chunked 3, fused 0, megatron 3" in proc.stdout
     assert "not seen by CoC: 2 x TELayerNormColumnParallelLinear" in proc.stdout
+
+
+def test_a_freed_layers_calls_stay_in_the_report():
+    cov = coverage.Coverage(CocConfig(parallel_num=4), {})
+    first = torch.nn.Linear(2, 2)
+    cov.count(first, coverage.chunked(4), None, lambda layer, x: (8, 2, 2))
+    second = torch.nn.Linear(2, 2)
+    cov.records[id(second)] = cov.records.pop(id(first))  # as if second had been given first's id
+    del first
+    cov.count(second, coverage.megatron("why"), None, lambda layer, x: (4, 2, 2))
+    report = cov.report()
+    assert sorted((layer["route"], layer["calls"], layer["shape"]) for layer in report["layers"]) == [
+        ("chunked", 1, [8, 2, 2]), ("megatron", 1, [4, 2, 2])]
+    assert report["calls"] == {"chunked": 1, "fused": 0, "megatron": 1}
