@@ -77,3 +77,42 @@ def test_link_is_torn_down_even_after_an_error():
 def test_link_rejects_more_than_two_ranks():
     with pytest.raises(link.LinkError, match="ranks=4 is invalid"):
         link.EmulatedLink("1gbit", ranks=4)
+
+
+class _NeverCompletes:
+    """A work like gloo's reduce_scatter_single in torch 2.13: no future, is_completed() stays False."""
+
+    def __init__(self):
+        self.waited = False
+
+    def get_future(self):
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def is_completed(self):
+        return False
+
+    def wait(self):
+        self.waited = True
+        return True
+
+
+def test_timeline_of_a_work_that_never_reports_completion_ends_at_its_wait():
+    from coc_inject.pipeline import schedules
+
+    works = []
+
+    def communicate(start, stop, computed):
+        works.append(_NeverCompletes())
+        return works[-1]
+
+    tracer = schedules.TimelineTracer()
+    schedules.tracer = tracer
+    try:
+        schedules.run_compute_first([(0, 2), (2, 4)], lambda start, stop: None, communicate)
+    finally:
+        schedules.tracer = None
+    events = tracer.finish()  # used to poll forever
+    assert all(work.waited for work in works)
+    comm = [event for event in events if event[0] == "comm"]
+    assert [event[1] for event in comm] == [0, 2]
+    assert all(end is not None and end >= begin for _, _, begin, end in comm)

@@ -105,12 +105,32 @@ class TimelineTracer:
                 poller = threading.Thread(target=_poll_completion, args=(handle, record), daemon=True)
                 poller.start()
                 pollers.append(poller)
+                return _WaitRecorded(handle, record)
             return handle
 
         return traced_compute, traced_communicate
 
 
+class _WaitRecorded:
+    """A polled handle whose ``wait()`` also records completion: some works never report
+    ``is_completed()`` (gloo's ``reduce_scatter_single`` / ``all_gather_single`` in torch 2.13),
+    and the schedule always waits for every handle, so the poller stops at the latest then."""
+
+    def __init__(self, handle, record):
+        self._handle, self._record = handle, record
+
+    def wait(self, *args, **kwargs):
+        result = self._handle.wait(*args, **kwargs)
+        if self._record[3] is None:
+            self._record[3] = time.perf_counter()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
 def _poll_completion(handle, record) -> None:
-    while not handle.is_completed():
+    while record[3] is None and not handle.is_completed():
         time.sleep(0.0002)
-    record[3] = time.perf_counter()
+    if record[3] is None:
+        record[3] = time.perf_counter()
