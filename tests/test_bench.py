@@ -116,3 +116,81 @@ def test_timeline_of_a_work_that_never_reports_completion_ends_at_its_wait():
     comm = [event for event in events if event[0] == "comm"]
     assert [event[1] for event in comm] == [0, 2]
     assert all(end is not None and end >= begin for _, _, begin, end in comm)
+
+
+# -- the auto variant --------------------------------------------------------------------------
+
+
+def test_auto_variant_is_figured_at_the_n_it_chose():
+    result = synthetic(210, {"N=4": 183.75, "auto": 183.75}, 70, 140)
+    decision = {"chunks": 4, "source": "trials", "key": "row [4096, 1024, 1024] float32 TP2 cpu",
+                "times_ms": {"1": 420.0, "2": 400.0, "4": 380.0}, "noise_ms": 12.6, "coc_calls": [1] * 5}
+    result["auto"] = decision
+    case = report.summarize_case(result)
+    auto, n4 = case["variants"]["auto"], case["variants"]["N=4"]
+    assert auto["chunks"] == 4 and auto["decision"] == decision
+    for key in ("forward_ms", "backward_ms", "fwd_bwd_ms", "forward_speedup", "backward_speedup",
+                "fwd_bwd_speedup", "ideal_ms", "ideal_speedup", "efficiency"):
+        assert auto[key] == pytest.approx(n4[key]), key  # same times, same N: same figures
+    assert auto["ideal_ms"] == pytest.approx(157.5)
+
+
+def test_auto_that_chose_megatron_has_no_ideal_saving():
+    result = synthetic(210, {"auto": 200}, 70, 140)
+    result["auto"] = {"chunks": 1, "source": "trials", "key": "k", "times_ms": {"1": 1.0, "2": 2.0},
+                      "noise_ms": 0.1, "coc_calls": [0] * 5}
+    auto = report.summarize_case(result)["variants"]["auto"]
+    assert auto["chunks"] == 1 and auto["efficiency"] is None and auto["ideal_speedup"] == 1.0
+    assert auto["forward_speedup"] == pytest.approx(210 / 200)
+
+
+def test_table_shows_auto_beside_the_fixed_counts_with_its_decision():
+    result = synthetic(210, {"N=2": 180, "N=8": 160, "auto": 160}, 70, 140)
+    result["auto"] = {"chunks": 8, "source": "trials", "key": "k", "times_ms": {"1": 4.5, "2": 3.25, "8": 3.0},
+                      "noise_ms": 0.14, "coc_calls": [1] * 5}
+    table = report.format_table(report.summarize([result]))
+    rows = [line.split() for line in table.splitlines()]
+    auto_row = next(row for row in rows if row[:2] == ["auto", "N=8"])
+    assert auto_row[2] == "160.0"  # its forward median
+    assert "auto chose N=8 (trials: N=1 4.50 ms, N=2 3.25 ms, N=8 3.00 ms; noise 0.14 ms)" in table
+
+
+def test_old_results_without_auto_still_summarize():
+    case = report.summarize_case(synthetic(210, {"N=2": 180}, 70, 140))
+    assert set(case["variants"]) == {"megatron", "N=2"} and "chunks" not in case["variants"]["N=2"]
+
+
+@pytest.mark.parametrize("argv,expected", [([], [1, 2, 4, 8, "auto"]), (["--chunks", "2", "AUTO"], [2, "auto"]),
+                                           (["--chunks", "4"], [4])])
+def test_chunks_option_takes_counts_and_auto(argv, expected):
+    from coc_inject.bench.run import build_parser
+
+    assert build_parser().parse_args(argv).chunks == expected
+
+
+@pytest.mark.parametrize("word", ["0", "-2", "four", "2.5"])
+def test_bad_chunks_word_is_a_clear_error(word, capsys):
+    from coc_inject.bench.run import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--chunks", "2", word])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--chunks={word!r} is invalid: expected an integer >= 1" in error and "or auto" in error
+
+
+@pytest.mark.parametrize("slow,expect_coc", [((1,), True), ((2, 4, 8), False)], ids=["megatron-slow", "coc-slow"])
+def test_auto_decides_once_before_the_repetitions_and_they_run_its_n(pool2, tmp_path, slow, expect_coc):
+    results = pool2.run("bench_cases:auto_variant", case="row-sp", chunks=[2, "auto"], reps=3,
+                        tune_cache=str(tmp_path / "tune.json"), slow=slow)
+    decision = results[0]["auto"]
+    for result in results:
+        # One decision per rank for the whole case: the untimed call's trials; the warm-up and
+        # timed repetitions re-install auto but reuse it (no trials, no cache look-up).
+        assert result["decisions_made"] == [("row-sp", decision["chunks"], "trials")]
+        assert result["auto"]["chunks"] == decision["chunks"]  # every rank ran the same N
+        assert result["timed"]["auto"] == result["timed"]["N=2"] == result["timed"]["megatron"] == 3
+    assert (decision["chunks"] > 1) is expect_coc
+    assert set(decision["times_ms"]) == {"1", "2", "4", "8"}
+    # The timed auto calls ran the decided path: one CoC call each, or Megatron's (none).
+    assert decision["coc_calls"] == ([1] * 3 if expect_coc else [0] * 3)

@@ -2,6 +2,12 @@
 
 Runs inside each rank (spawned locally, or under torchrun on real devices). Rank 0 returns
 the raw per-repetition times; every timed region starts after a barrier so ranks line up.
+
+Variants: unpatched Megatron, each fixed chunk count ``N=c``, and ``auto``
+(``COC_PARALLEL_NUM=auto`` with a fresh tune cache): its decision -- the engine's own trials
+-- is made by one untimed call before the repetitions, and every timed ``auto`` call then
+reuses that decision (the engine's tuner is carried across the per-variant re-installs), so
+the timed repetitions measure the decided path, never trials or a cache look-up.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import patching
-from coc_inject.config import CocConfig
+from coc_inject.config import AUTO, CocConfig
 from coc_inject.pipeline import schedules
 
 
@@ -38,6 +44,7 @@ CASES = {
     )
 }
 DEFAULT_CASES = ("row", "row-sp", "column-sp")
+AUTO_VARIANT = "auto"
 
 
 class Timer:
@@ -62,12 +69,16 @@ class Timer:
         return result, time.perf_counter() - begin
 
 
-def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device):
-    """Layer whose forward matmul is [m, k] x [k, n] on each rank (k, n: per-rank sizes)."""
+def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device, batch: int = 1):
+    """Layer whose forward matmul is [m, k] x [k, n] on each rank (k, n: per-rank sizes), and
+    its input: ``[m / batch, batch, k]`` (Column SP: this rank's shard, ``[m / (batch*TP), batch, k]``).
+
+    [m, k, n] is the shape the engine keys ``customized_coc`` and ``auto`` decisions by."""
+    from megatron.core import parallel_state
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    tp = dist.get_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
     config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=case.sequence_parallel,
                                  use_cpu_initialization=True, params_dtype=dtype,
                                  gradient_accumulation_fusion=False)
@@ -80,15 +91,29 @@ def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device):
         layer = ColumnParallelLinear(k, n * tp, config=config, init_method=init, bias=False)
         rows = m // tp if case.sequence_parallel else m
     layer = layer.to(device)
-    x = torch.randn(rows, 1, k, dtype=dtype, device=device)
+    x = torch.randn(rows // batch, batch, k, dtype=dtype, device=device)
     return layer, x
 
 
-def _install(variant: str, layer=None) -> None:
+def auto_config(tune_cache: str | None, candidates=None) -> CocConfig:
+    """``COC_PARALLEL_NUM=auto`` as the bench and ``coc-inject tune`` install it."""
+    extra = {} if candidates is None else {"tune_candidates": tuple(candidates)}
+    return CocConfig(parallel_num=AUTO, enable_coc_in_column_backward=True, tune_cache=tune_cache, **extra)
+
+
+def _install(variant: str, layer=None, auto=None) -> None:
     """Patch for ``variant``; with ``layer``, also run the one-time cross-rank config check
-    now, so that no timed call pays for it."""
+    now, so that no timed call pays for it. ``auto``: (config, tuner) of the ``auto`` variant;
+    a tuner is handed to the new engine, so calls reuse its decisions."""
     patching.uninstall()
     if variant == "megatron":
+        return
+    if variant == AUTO_VARIANT:
+        config, tuner = auto
+        patching.install(config)
+        patching.engine().tuner = tuner
+        if layer is not None:
+            patching.engine().ensure_agreement(layer.tp_group, layer.weight.device)
         return
     chunks = int(variant.split("=")[1])
     if chunks == 1:
@@ -124,10 +149,46 @@ def progress(message: str) -> None:
         sys.stderr.flush()
 
 
-def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmup=1) -> dict:
+def decide_auto(layer, x, config) -> tuple:
+    """One untimed forward+backward with ``auto`` installed: the engine's tuner decides this
+    layer's key (trials, or the cache). Returns (tuner, decision key, decision)."""
+    _install(AUTO_VARIANT, layer, (config, None))
+    try:
+        inp = x.clone().requires_grad_(True)
+        out, _ = layer(inp)
+        out.backward(torch.ones_like(out))
+        layer.zero_grad(set_to_none=True)
+        tuner = patching.engine().tuner
+    finally:
+        patching.uninstall()
+    if tuner is None or len(tuner.decisions) != 1:
+        raise RuntimeError(f"auto made {0 if tuner is None else len(tuner.decisions)} decisions for one layer "
+                           "call, expected 1 (did the call fall back to Megatron before tuning?)")
+    (key, decision), = tuner.decisions.items()
+    return tuner, key, decision
+
+
+def decision_record(key, decision) -> dict:
+    """JSON-able: the decided N, where it came from, the trials' median times (ms) and noise."""
+    return {"chunks": decision.chunks, "source": decision.source, "key": key.text(),
+            "times_ms": {str(c): t for c, t in sorted(decision.times_ms.items())},
+            "noise_ms": decision.noise_ms}
+
+
+def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmup=1, tune_cache=None) -> dict:
+    """``chunks``: chunk counts and/or ``"auto"``; ``tune_cache``: the auto variant's (fresh) cache."""
     layer, x = build_layer(case, m, k, n, dtype, device)
     timer = Timer(device)
-    variants = ["megatron"] + [f"N={c}" for c in chunks]
+    fixed = [c for c in chunks if c != AUTO_VARIANT]
+    variants = ["megatron"] + [f"N={c}" for c in fixed]
+    auto, decided = None, None
+    if AUTO_VARIANT in chunks:
+        progress(f"{case.label}: auto trials")
+        config = auto_config(tune_cache)
+        tuner, key, decision = decide_auto(layer, x, config)
+        auto, decided = (config, tuner), decision_record(key, decision)
+        decided["coc_calls"] = []  # per timed repetition: CoC calls the auto variant made (0: Megatron's path)
+        variants.append(AUTO_VARIANT)
     rows_in = torch.randn(m, k, dtype=dtype, device=device)  # the forward matmul's [m, k] operand
     compute = lambda: torch.matmul(rows_in, layer.weight.t())  # noqa: E731
     comm = _comm_only(case, layer, x, layer.tp_group)
@@ -137,23 +198,37 @@ def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmu
         progress(f"{case.label}: repetition {rep + 1 - warmup}/{reps}" if rep >= warmup else f"{case.label}: warm-up")
         shift = rep % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            _install(variant, layer)
+            _install(variant, layer, auto)
             inp = x.clone().requires_grad_(True)
             (out, _), forward = timer(lambda: layer(inp))
             grad = torch.ones_like(out)
             _, backward = timer(lambda: out.backward(grad))
             layer.zero_grad(set_to_none=True)
+            if variant == AUTO_VARIANT:
+                _check_auto_reused(auto[1], decided)
             if rep >= warmup:
                 times[variant]["forward"].append(forward)
                 times[variant]["backward"].append(backward)
+                if variant == AUTO_VARIANT:
+                    decided["coc_calls"].append(patching.engine().calls)
         patching.uninstall()
         _, compute_time = timer(compute)
         comm_time = timer(comm)[1] if comm is not None else 0.0
         if rep >= warmup:
             times["compute-only"]["forward"].append(compute_time)
             times["comm-only"]["forward"].append(comm_time)
-    return {"case": case.name, "label": case.label, "times": times,
-            "timeline": timeline(layer, x, max(chunks))}
+    shown = max(fixed) if fixed else max(decided["chunks"], 2)
+    result = {"case": case.name, "label": case.label, "times": times, "timeline": timeline(layer, x, shown)}
+    if decided is not None:
+        result["auto"] = decided
+    return result
+
+
+def _check_auto_reused(tuner, decided) -> None:
+    """The timed auto calls must run the decision made before the repetitions, nothing new."""
+    if len(tuner.decisions) != 1 or next(iter(tuner.decisions.values())).chunks != decided["chunks"]:
+        raise RuntimeError("auto made a new decision during the timed repetitions: "
+                           f"{[d.describe(k) for k, d in tuner.decisions.items()]}")
 
 
 def timeline(layer, x, chunks: int) -> list:

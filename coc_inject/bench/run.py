@@ -7,6 +7,10 @@ Where it runs:
 * under ``torchrun`` (RANK/WORLD_SIZE set): every rank of the job on its device (CUDA/NPU,
   NCCL/HCCL), timed with device events.
 
+Variants: unpatched Megatron, each ``--chunks`` count, and ``auto`` (``COC_PARALLEL_NUM=auto``
+with a fresh temporary tune cache: its trials run once before the timed repetitions, which
+then measure the N it chose; see coc_inject.bench.layers).
+
 Writes a table to stdout, ``bench.json`` (raw per-repetition times and the figures) and
 ``bench.png`` (speedup vs N per case, timeline of one call) into ``--out``.
 """
@@ -17,11 +21,25 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 TARGETS = ("speedup >= 1.35 at the best N and >= 90% of the ideal saving (Row AR, emulated 1 gbit); "
            ">= 90% of the ideal saving (SP cases); host overhead <= 15 us per chunk")
+
+
+CHUNKS_ALLOWED = "an integer >= 1 (a fixed chunk count; 1 = Megatron's path behind the wrapper) or auto"
+
+
+def chunk_variant(text: str):
+    """A ``--chunks`` word: an int >= 1 or "auto"."""
+    word = text.strip().lower()
+    if word == "auto":
+        return word
+    if word.isascii() and word.isdigit() and int(word) >= 1:
+        return int(word)
+    raise argparse.ArgumentTypeError(f"--chunks={text!r} is invalid: expected {CHUNKS_ALLOWED}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link", metavar="RATE", help="emulate a link of this rate between the 2 ranks, "
                         "e.g. 1gbit (root only)")
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=list(CASES))
-    parser.add_argument("--chunks", nargs="+", type=int, default=[1, 2, 4, 8])
+    parser.add_argument("--chunks", nargs="+", type=chunk_variant, default=[1, 2, 4, 8, "auto"],
+                        help="fixed chunk counts and/or auto (COC_PARALLEL_NUM=auto, fresh tune cache; "
+                             "default: 1 2 4 8 auto)")
     parser.add_argument("--shape", nargs=3, type=int, default=[4096, 1024, 1024], metavar=("M", "K", "N"),
                         help="per-rank forward matmul [M, K] x [K, N] (M: all rows of the sequence)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -52,8 +72,10 @@ def run_rank(args, device) -> dict | None:
 
     dtype = getattr(torch, args.dtype)
     m, k, n = args.shape
-    results = [layers.measure_case(layers.CASES[name], m=m, k=k, n=n, dtype=dtype, device=device,
-                                   chunks=args.chunks, reps=args.reps) for name in args.cases]
+    with tempfile.TemporaryDirectory(prefix="coc-bench-tune-") as scratch:  # auto: a fresh cache per run
+        results = [layers.measure_case(layers.CASES[name], m=m, k=k, n=n, dtype=dtype, device=device,
+                                       chunks=args.chunks, reps=args.reps,
+                                       tune_cache=os.path.join(scratch, "tune.json")) for name in args.cases]
     layers.progress("host overhead per chunk (tiny shapes)")
     overhead = layers.host_overhead_per_chunk(device, dtype)
     if dist.get_rank() != 0:
@@ -62,7 +84,9 @@ def run_rank(args, device) -> dict | None:
     return {"results": results, "host_overhead": overhead}
 
 
-def _local_rank(rank, world, port, args, namespaces):
+def _local_rank(rank, world, port, args, namespaces, work=None):
+    """One spawned rank: gloo on the CPU, Megatron's TP = ``args.tp`` (default: all ranks);
+    runs ``work(args, device)`` (default run_rank)."""
     from coc_inject.bench import link as link_module
 
     if namespaces:
@@ -81,14 +105,14 @@ def _local_rank(rank, world, port, args, namespaces):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None) or world)
     try:
-        return run_rank(args, torch.device("cpu"))
+        return (work or run_rank)(args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 
 
-def run_local(args) -> dict:
+def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench") -> dict:
     from coc_inject.bench.link import EmulatedLink
     from coc_inject.local_ranks import free_port, run_local_ranks
 
@@ -98,14 +122,15 @@ def run_local(args) -> dict:
         if args.link:
             with EmulatedLink(args.link) as link:
                 # The rendezvous port is on the link's own address: any port is free there.
-                return run_local_ranks(_local_rank, 2, 29500, args, link.names)
-        return run_local_ranks(_local_rank, 2, free_port(), args, None)
+                return run_local_ranks(_local_rank, world, 29500, args, link.names, work)
+        return run_local_ranks(_local_rank, world, free_port(), args, None, work)
     except RuntimeError as error:
-        raise SystemExit(f"coc-inject bench failed:\n{error}") from None
+        raise SystemExit(f"{command} failed:\n{error}") from None
 
 
-def run_torchrun(args) -> dict | None:
-    """Under torchrun: this process is one rank of the job, on its accelerator."""
+def run_torchrun(args, work=None) -> dict | None:
+    """Under torchrun: this process is one rank of the job, on its accelerator; TP = ``args.tp``
+    (default: the whole job)."""
     import torch
     import torch.distributed as dist
 
@@ -117,9 +142,10 @@ def run_torchrun(args) -> dict | None:
     dist.init_process_group(backend)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None)
+                                             or dist.get_world_size())
     try:
-        return run_rank(args, device)
+        return (work or run_rank)(args, device)
     finally:
         dist.destroy_process_group()
 
