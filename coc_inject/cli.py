@@ -1,4 +1,4 @@
-"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference | report | bench | selftest.
+"""``coc-inject`` / ``python -m coc_inject``: status | run | env | reference | report | bench | tune | selftest.
 
 * ``status``: the resolved configuration (or every error in it), whether the bootstrap will
   run in Python processes started from this environment, the shadowed sitecustomize it
@@ -10,6 +10,8 @@
 * ``reference``: the environment-variable and config-file reference as markdown tables.
 * ``report PATH ...``: the ``COC_REPORT`` files of a job as tables (per layer: route, chunks, calls, reason).
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
+* ``tune [...]``: ``COC_PARALLEL_NUM=auto``'s decisions for given shapes / model dimensions, made
+  ahead of a job into the tune cache, and the equivalent ``COC_CUSTOMIZED`` (coc_inject.bench.tune).
 * ``selftest [...]``: each available backend vs the unfused result (coc_inject.selftest).
 """
 
@@ -241,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=cmd_report)
     # Parsed by coc_inject.bench.run itself (see main()); listed here for --help.
     commands.add_parser("bench", help="benchmark CoC vs unpatched Megatron (coc-inject bench -h)")
+    commands.add_parser("tune", help="pre-tune COC_PARALLEL_NUM=auto for shapes / model dimensions into the tune "
+                        "cache; prints the equivalent COC_CUSTOMIZED (coc-inject tune -h)")
     commands.add_parser("selftest", help="every available backend vs the unfused result (coc-inject selftest -h)")
     return parser
 
@@ -251,6 +255,10 @@ def main(argv=None) -> int:
         from coc_inject.bench.run import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["tune"]:
+        from coc_inject.bench.tune import main as tune_main
+
+        return tune_main(argv[1:])
     if argv[:1] == ["selftest"]:
         from coc_inject.selftest import main as selftest_main
 

@@ -176,7 +176,7 @@ def test_bad_chunks_word_is_a_clear_error(word, capsys):
         build_parser().parse_args(["--chunks", "2", word])
     assert exit_.value.code == 2
     error = capsys.readouterr().err
-    assert f"--chunks={word!r} is invalid: expected an integer >= 1" in error and "or auto" in error
+    assert f"argument --chunks: {word!r} is invalid: expected an integer >= 1" in error and "or auto" in error
 
 
 @pytest.mark.parametrize("slow,expect_coc", [((1,), True), ((2, 4, 8), False)], ids=["megatron-slow", "coc-slow"])

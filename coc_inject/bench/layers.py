@@ -95,10 +95,9 @@ def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device, batch: i
     return layer, x
 
 
-def auto_config(tune_cache: str | None, candidates=None) -> CocConfig:
-    """``COC_PARALLEL_NUM=auto`` as the bench and ``coc-inject tune`` install it."""
-    extra = {} if candidates is None else {"tune_candidates": tuple(candidates)}
-    return CocConfig(parallel_num=AUTO, enable_coc_in_column_backward=True, tune_cache=tune_cache, **extra)
+def auto_config(tune_cache: str | None) -> CocConfig:
+    """The bench's ``auto`` variant: ``COC_PARALLEL_NUM=auto`` (default candidates) with ``tune_cache``."""
+    return CocConfig(parallel_num=AUTO, enable_coc_in_column_backward=True, tune_cache=tune_cache)
 
 
 def _install(variant: str, layer=None, auto=None) -> None:

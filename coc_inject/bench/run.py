@@ -39,7 +39,7 @@ def chunk_variant(text: str):
         return word
     if word.isascii() and word.isdigit() and int(word) >= 1:
         return int(word)
-    raise argparse.ArgumentTypeError(f"--chunks={text!r} is invalid: expected {CHUNKS_ALLOWED}")
+    raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {CHUNKS_ALLOWED}")  # argparse names --chunks
 
 
 def build_parser() -> argparse.ArgumentParser:

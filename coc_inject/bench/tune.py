@@ -1,0 +1,336 @@
+"""``coc-inject tune``: make ``COC_PARALLEL_NUM=auto``'s decisions ahead of a job.
+
+    coc-inject tune --hidden 4096 --ffn 11008 --seq 4096 --micro-batch 1 --tp 2 --sequence-parallel
+    coc-inject tune --shape row-sp:4096,2048,4096 --shape column-sp:4096,4096,5504 --tp 2
+    torchrun --nproc-per-node 8 -m coc_inject tune --tp 8 ...      # on the job's devices
+
+Each shape runs once, forward and backward, through the real megatron-core layer with CoC
+installed as ``COC_PARALLEL_NUM=auto`` would install it, so the engine's own tuner makes the
+decision (its trials: Megatron's path and each candidate chunk count, max over the ranks) and
+writes it to the tune cache, exactly as a job's first call would. A job with the same decision
+key and hardware identity (device or host, world size, TP size, backend) then takes it from the
+cache and runs no trials. Printed: a table (shape -> chosen N, each candidate's time) and the
+equivalent ``COC_CUSTOMIZED`` for jobs that do not use ``auto``.
+
+Where it runs is ``coc-inject bench``'s choice: local CPU ranks over gloo (``--world``, default
+``--tp``), or, under torchrun, every rank of the job on its device (``COC_BENCH_DEVICE=npu`` on
+Ascend). Model dimensions map to the GPT layer's four tensor-parallel linears; ``m`` is
+``seq x micro-batch`` (all rows, also under sequence parallelism).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+
+CASES = ("row", "row-sp", "column-sp", "column-bwd")
+SHAPE_ALLOWED = (f"CASE:M,K,N with CASE one of {', '.join(CASES)} and M, K, N integers >= 1 "
+                 "(the engine's [m, k, n]: Row k = input size / TP; Column m = all rows, n = output size / TP)")
+MODEL_OPTIONS = ("hidden", "ffn", "seq", "micro_batch")
+# Variables whose settings tune replaces (auto everywhere, trials on, no report).
+SET_BY_TUNE = ("COC_DISABLE", "COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_CUSTOMIZED", "COC_DETERMINISTIC",
+               "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_REPORT")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One layer shape to tune: the engine's case and [m, k, n]; ``batch`` shapes its input."""
+
+    layer: str
+    case: str
+    m: int
+    k: int
+    n: int
+    batch: int = 1
+
+    @property
+    def shape(self) -> tuple:
+        return self.m, self.k, self.n
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def parse_shape(text: str) -> Target:
+    case, _, dims = text.partition(":")
+    words = dims.split(",")
+    if case.strip() not in CASES or len(words) != 3 or not all(
+            w.strip().isascii() and w.strip().isdigit() and int(w) >= 1 for w in words):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {SHAPE_ALLOWED}")  # argparse names --shape
+    return Target("--shape", case.strip(), *(int(w) for w in words))
+
+
+def positive(text: str) -> int:
+    if not (text.strip().isascii() and text.strip().isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected an integer >= 1")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coc-inject tune", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    shapes = parser.add_argument_group("explicit shapes")
+    shapes.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="CASE:M,K,N",
+                        help=f"repeatable; {SHAPE_ALLOWED}")
+    model = parser.add_argument_group("model dimensions (GPT layer: linear_qkv, linear_proj, linear_fc1, "
+                                      "linear_fc2)")
+    model.add_argument("--hidden", type=positive, help="hidden size")
+    model.add_argument("--ffn", type=positive, help="FFN hidden size")
+    model.add_argument("--seq", type=positive, help="sequence length")
+    model.add_argument("--micro-batch", type=positive, help="micro-batch size")
+    model.add_argument("--heads", type=positive, help="attention heads (needed with --num-query-groups)")
+    model.add_argument("--num-query-groups", type=positive, help="GQA groups: linear_qkv has "
+                       "hidden + 2 * groups * hidden/heads outputs (default: MHA, 3 * hidden)")
+    model.add_argument("--swiglu", action="store_true", help="gated linear unit: linear_fc1 has 2 * ffn outputs")
+    model.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
+                       help="as Megatron's --sequence-parallel (default off, as in Megatron)")
+    model.add_argument("--column-backward", action="store_true",
+                       help="without sequence parallelism, also tune linear_qkv/linear_fc1 (their CoC runs only "
+                            "with COC_ENABLE_IN_COLUMN_BACKWARD=1)")
+    where = parser.add_argument_group("where and how")
+    where.add_argument("--tp", type=positive, help="tensor-parallel size (default: 2 local ranks; under torchrun "
+                       "the whole job)")
+    where.add_argument("--world", type=positive, help="local ranks to start (default --tp); a multiple of --tp. "
+                       "The cache identity includes the world size: use your job's. Not under torchrun")
+    where.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    where.add_argument("--candidates", metavar="C,C,...",
+                       help="CoC chunk counts tried beside N=1 (default: COC_TUNE_CANDIDATES, else 2,4,8)")
+    where.add_argument("--cache", metavar="PATH|off",
+                       help="tune cache to write (default: COC_TUNE_CACHE, else "
+                            "${XDG_CACHE_HOME:-~/.cache}/coc-inject/tune.json); off: keep nothing")
+    where.add_argument("--threads", type=positive, default=1, help="torch threads per local CPU rank")
+    return parser
+
+
+def model_targets(args, tp: int, error) -> tuple[list, list]:
+    """The GPT layer's Targets for the model dimensions (none given: none); and notes."""
+    given = [name for name in MODEL_OPTIONS if getattr(args, name) is not None]
+    if not given:
+        for name in ("heads", "num_query_groups"):
+            if getattr(args, name) is not None:
+                error(f"{_option(name)}={getattr(args, name)} needs the model dimensions "
+                      f"{', '.join(map(_option, MODEL_OPTIONS))}")
+        return [], []
+    missing = [_option(name) for name in MODEL_OPTIONS if name not in given]
+    if missing:
+        error(f"model dimensions need {', '.join(missing)} as well (given: {', '.join(map(_option, given))})")
+
+    def multiple_of_tp(name, value, what="--tp"):
+        if value % tp:
+            error(f"{name}={value} is invalid: expected a multiple of {what} ({tp})")
+
+    hidden, ffn = args.hidden, args.ffn
+    multiple_of_tp("--hidden", hidden)
+    multiple_of_tp("--ffn", ffn)
+    qkv = 3 * hidden
+    if args.num_query_groups is not None and args.heads is None:
+        error(f"--num-query-groups={args.num_query_groups} needs --heads (its kv channels are hidden / heads)")
+    if args.heads is not None:
+        if hidden % args.heads:
+            error(f"--heads={args.heads} is invalid: expected a divisor of --hidden ({hidden})")
+        multiple_of_tp("--heads", args.heads)
+        groups = args.num_query_groups or args.heads
+        if args.heads % groups:
+            error(f"--num-query-groups={groups} is invalid: expected a divisor of --heads ({args.heads})")
+        multiple_of_tp("--num-query-groups", groups)
+        qkv = hidden + 2 * groups * (hidden // args.heads)
+    m = args.seq * args.micro_batch
+    sp = args.sequence_parallel
+    if sp:
+        multiple_of_tp("--seq", args.seq, "--tp, with --sequence-parallel")
+    row, column = ("row-sp", "column-sp") if sp else ("row", "column-bwd")
+    fc1 = (2 if args.swiglu else 1) * ffn
+    layers = [("linear_qkv", column, m, hidden, qkv // tp), ("linear_proj", row, m, hidden // tp, hidden),
+              ("linear_fc1", column, m, hidden, fc1 // tp), ("linear_fc2", row, m, ffn // tp, hidden)]
+    notes = []
+    if not sp and not args.column_backward:
+        layers = [layer for layer in layers if layer[1] != "column-bwd"]
+        notes.append("linear_qkv, linear_fc1: without sequence parallelism a column-parallel forward has no "
+                     "communication and CoC leaves them to Megatron unless COC_ENABLE_IN_COLUMN_BACKWARD=1 "
+                     "(--column-backward tunes them)")
+    return [Target(name, case, m, k, n, args.micro_batch) for name, case, m, k, n in layers], notes
+
+
+def resolve(args, parser, environ) -> tuple:
+    """(targets, notes, CocConfig, tp, world) from the arguments, or a parser error."""
+    from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
+
+    under_torchrun = "RANK" in environ
+    if under_torchrun and args.world is not None:
+        parser.error(f"--world={args.world} is for local ranks: under torchrun the job's WORLD_SIZE "
+                     f"({environ.get('WORLD_SIZE')}) is the world")
+    world_now = int(environ.get("WORLD_SIZE", "1")) if under_torchrun else None
+    tp = args.tp or world_now or 2
+    world = world_now or args.world or tp
+    if tp < 2:
+        parser.error(f"--tp={tp} is invalid: expected an integer >= 2 (TP 1 has no collective to overlap)")
+    if world % tp:
+        parser.error(f"--tp={tp} is invalid: expected a divisor of the world size ({world})")
+    targets, notes = model_targets(args, tp, parser.error)
+    for target in args.shape:
+        if target.case in ("row-sp", "column-sp") and target.m % tp:
+            parser.error(f"--shape={target.case}:{target.m},{target.k},{target.n} is invalid: m={target.m} is "
+                         f"not a multiple of --tp ({tp}) (sequence parallelism splits the rows over the TP ranks)")
+    targets += args.shape
+    if not targets:
+        parser.error("nothing to tune: give --shape CASE:M,K,N (repeatable) and/or the model dimensions "
+                     f"{', '.join(map(_option, MODEL_OPTIONS))}")
+    try:
+        # The job's other COC_* settings (COC_RECOMPUTE_ALL_GATHER, COC_MATMUL_SOC_FRIENDLY, COC_CONFIG, ...)
+        # shape the trials as they shape its calls; those tune sets itself are not read.
+        base = load_config({name: value for name, value in environ.items() if name not in SET_BY_TUNE})
+        candidates = (parse_tune_candidates("--candidates", args.candidates) if args.candidates is not None
+                      else base.tune_candidates)
+        cache = base.tune_cache
+        if args.cache is not None:
+            text = args.cache if args.cache.strip().lower() == "off" else os.path.abspath(args.cache)
+            cache = parse_tune_cache("--cache", text)
+    except ConfigError as error:
+        parser.error(str(error))
+    config = dataclasses.replace(base, parallel_num=AUTO, fused=False, customized_coc=(), disabled=False,
+                                 deterministic=False, enable_coc_in_column_backward=True, tune_cache=cache,
+                                 tune_candidates=candidates, report=None)
+    return targets, notes, config, tp, world
+
+
+def tune_rank(args, device) -> dict | None:
+    """Every rank: each distinct target once, fwd+bwd, with auto installed; rank 0 returns the
+    decisions and the hardware identity they are cached under."""
+    import torch
+    import torch.distributed as dist
+
+    from coc_inject import log, patching
+    from coc_inject.bench import layers
+    from coc_inject.tuning import hardware_identity
+
+    log.configure(args.config.log_level)  # rank 0 logs each decision as it is made
+    dtype = getattr(torch, args.dtype)
+    patching.install(args.config)
+    try:
+        seen = set()
+        for target in args.targets:
+            if (target.case, target.shape) in seen:
+                continue  # same decision key: decided once
+            seen.add((target.case, target.shape))
+            layer, x = layers.build_layer(layers.CASES[target.case], *target.shape, dtype, device, target.batch)
+            out, _ = layer(x.requires_grad_(True))
+            out.backward(torch.ones_like(out))
+            group = layer.tp_group
+            del layer, x, out
+        decisions = dict(patching.engine().tuner.decisions) if patching.engine().tuner is not None else {}
+    finally:
+        patching.uninstall()
+    if dist.get_rank() != 0:
+        return None
+    return {"decisions": decisions, "identity": hardware_identity(device, group)}
+
+
+def _describe_where(args) -> str:
+    if "RANK" in os.environ:
+        return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks, TP {args.tp}"
+    return f"{args.world} local CPU ranks (gloo), TP {args.tp}, {args.threads} thread(s)/rank"
+
+
+def rows_for(targets, decisions: dict, entries: dict, identity: str) -> list:
+    """One row per target: its decision (chunks, source), the candidates' times (trials, or as
+    cached) and what the cache holds for it."""
+    from coc_inject.tune_cache import TuneCache
+
+    by_shape = {(key.case, key.m, key.k, key.n): (key, decision) for key, decision in decisions.items()}
+    rows = []
+    for target in targets:
+        found = by_shape.get((target.case, *target.shape))
+        if found is None:
+            raise SystemExit(f"coc-inject tune: the engine made no decision for {target.layer} {target.case} "
+                             f"{list(target.shape)}: the call went to Megatron's own forward before tuning "
+                             "(COC_LOG_LEVEL=debug says why)")
+        key, decision = found
+        entry = entries.get(TuneCache.key(key, identity))
+        times = ({str(c): t for c, t in decision.times_ms.items()} if decision.times_ms
+                 else dict(entry.get("times_ms", {})) if isinstance(entry, dict) else {})
+        rows.append({"layer": target.layer, "case": target.case, "shape": list(target.shape),
+                     "chunks": decision.chunks, "source": decision.source, "times_ms": times,
+                     "noise_ms": decision.noise_ms if decision.times_ms else None,
+                     "cached": entry.get("chunks") if isinstance(entry, dict) else None})
+    return rows
+
+
+def customized(rows) -> tuple[dict, dict]:
+    """``{"[m, k, n]": N}`` of the rows, and the conflicts: COC_CUSTOMIZED keys have no case, so a
+    shape that two cases (e.g. a Column fc1 and a Row fc2 with ffn = TP x hidden) decided
+    differently gets "auto" there, {shape: [(case, N), ...]}."""
+    from coc_inject.config import _shape_text
+
+    decided: dict = {}
+    for row in rows:
+        decided.setdefault(_shape_text(row["shape"]), {})[row["case"]] = row["chunks"]
+    conflicts = {text: sorted(cases.items()) for text, cases in decided.items() if len(set(cases.values())) > 1}
+    return ({text: "auto" if text in conflicts else next(iter(cases.values())) for text, cases in decided.items()},
+            conflicts)
+
+
+def format_table(rows, candidates) -> str:
+    counts = [1, *candidates]
+    header = ["layer", "case", "[m, k, n]", "N", "source", *[f"N={c} ms" for c in counts], "noise ms"]
+    table = [header]
+    for row in rows:
+        times = [row["times_ms"].get(str(c)) for c in counts]
+        table.append([row["layer"], row["case"], json.dumps(row["shape"]), str(row["chunks"]), row["source"],
+                      *["-" if t is None else f"{t:.3f}" for t in times],
+                      "-" if row["noise_ms"] is None else f"{row['noise_ms']:.3f}"])
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    left = 5  # text columns left-aligned, numbers right-aligned
+    return "\n".join("  ".join(cell.ljust(w) if i < left and i != 3 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in table)
+
+
+def main(argv=None) -> int:
+    from coc_inject.bench import run
+    from coc_inject.tune_cache import TuneCache
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.targets, notes, args.config, args.tp, args.world = resolve(args, parser, os.environ)
+    args.link = None  # the cache identity is the host's: an emulated link would be cached as plain loopback
+    measured = (run.run_torchrun(args, tune_rank) if "RANK" in os.environ
+                else run.run_local(args, tune_rank, args.world, "coc-inject tune"))
+    if measured is None:
+        return 0  # not rank 0 of a torchrun job
+    cache = args.config.tune_cache
+    entries = TuneCache(cache).entries() if cache is not None else {}
+    rows = rows_for(args.targets, measured["decisions"], entries, measured["identity"])
+    print(f"coc-inject tune: {_describe_where(args)}, {args.dtype}; candidates N=1 (Megatron's path), "
+          f"{', '.join(f'N={c}' for c in args.config.tune_candidates)}; ms: fwd+bwd median of the trials, max over "
+          "ranks (source cache: the times cached with the decision)")
+    print(format_table(rows, args.config.tune_candidates))
+    for note in notes:
+        print(f"note: {note}")
+    for row in rows:
+        if cache is not None and row["cached"] != row["chunks"]:
+            print(f"warning: {row['case']} {json.dumps(row['shape'])}: the cache holds "
+                  f"{'nothing' if row['cached'] is None else 'N=' + str(row['cached'])} for it, not N={row['chunks']} "
+                  "(another TP group's decision, written last, or the cache could not be written)")
+    chosen, conflicts = customized(rows)
+    for text, cases in conflicts.items():
+        print(f"warning: {text} is {' and '.join(f'{case} (N={n})' for case, n in cases)}; a COC_CUSTOMIZED key has "
+              "no case, so it says \"auto\" for this shape: tuned per case at run time (from the tune cache when "
+              "the identity matches)")
+    if cache is not None:
+        print(f"cache: {cache}; identity {measured['identity']}: a COC_PARALLEL_NUM=auto job with this identity, "
+              "dtype and these shapes takes these decisions without trials")
+    else:
+        print("cache: off (--cache off / COC_TUNE_CACHE=off): nothing was kept")
+    print("COC_CUSTOMIZED, the same choices for a job without auto ([m, k, n] as the engine keys them):")
+    print(f"export COC_CUSTOMIZED={shlex.quote(json.dumps(chosen))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
