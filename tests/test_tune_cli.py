@@ -103,6 +103,30 @@ def test_four_local_ranks_with_tp_two_cache_under_world_four(tmp_path):
     assert rows[0][3] == chunks and customized == {"[16, 16, 16]": chunks}
 
 
+def test_a_gpt_job_with_auto_takes_every_decision_from_the_pre_tuned_cache(tmp_path):
+    # Offline: the tiny GPT's dimensions (TP 2, SP) plus its output layer (vocab 256 -> 128 per
+    # rank, column SP). Online: the unmodified training script with COC_PARALLEL_NUM=auto and
+    # that cache decides nothing itself.
+    sys.path.insert(0, str(ROOT / "examples"))
+    from launch import SITE, clean_env, torchrun
+
+    cache = tmp_path / "tune.json"
+    _, rows, _ = run_tune("--hidden", "64", "--ffn", "128", "--seq", "32", "--micro-batch", "2", "--heads", "4",
+                          "--sequence-parallel", "--shape", "column-sp:64,64,128", "--cache", str(cache))
+    tuned = {(case, *shape): n for _, case, shape, n, *_ in rows}
+    env = clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="auto", COC_TUNE_CACHE=str(cache),
+                    COC_REPORT=str(tmp_path / "job-{rank}.json"))
+    args = ["--steps", "2", "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "128", "--seq-length",
+            "32", "--micro-batch-size", "2", "--vocab-size", "256", "--num-attention-heads", "4"]
+    job = torchrun(ROOT / "examples" / "pretrain_tiny_gpt.py", args, env, tmp_path, ranks=2)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "(trials" not in job.stderr
+    for rank in range(2):
+        decisions = json.loads((tmp_path / f"job-{rank}.json").read_text())["auto_decisions"]
+        assert {(d["case"], *d["shape"]): d["chunks"] for d in decisions} == tuned
+        assert {d["source"] for d in decisions} == {"cache"}
+
+
 # -- the mapping and the config, pure ------------------------------------------------------------
 
 
