@@ -323,7 +323,8 @@ ENV_REFERENCE = (
             "With COC_PARALLEL_NUM=auto (or an \"auto\" COC_CUSTOMIZED value): the chunk counts tried beside "
             "Megatron's own path (N=1) for each shape; counts above the shape's rows are skipped."),
     Setting("COC_TUNE_CACHE", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/tune.json`", TUNE_CACHE_ALLOWED,
-            "Where auto decisions persist, keyed by shape, dtype, TP size, device and host/device name: a job "
+            "Where auto decisions persist, keyed by shape, dtype, TP and world size, device, backend and "
+            "host/device name: a job "
             "whose shapes are all cached runs no trials. off = tune every run, keep nothing."),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by load_config.
     Setting("COC_CACHE_DIR", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/pycache`",
