@@ -222,7 +222,8 @@ class CocConfig:
             # Added later: only when set, so default configurations keep their fingerprint.
             **({"fused_backend": self.fused_backend} if self.fused_backend != "auto" else {}),
             **({"deterministic": True} if self.deterministic else {}),
-            **({"tune_candidates": list(self.tune_candidates)} if self.tune_candidates != (2, 4, 8) else {}),
+            **({"tune_candidates": list(self.tune_candidates)}
+               if self.tune_candidates != _DEFAULTS.tune_candidates else {}),
         }
 
     def fingerprint(self) -> int:
@@ -319,13 +320,13 @@ ENV_REFERENCE = (
     Setting("COC_REPORT", "(unset)", REPORT_ALLOWED,
             "Each rank writes a JSON report of what CoC did per layer at exit; {rank} in the path is "
             "replaced by the global rank, without it only global rank 0 writes."),
-    Setting("COC_TUNE_CANDIDATES", "2,4,8", TUNE_CANDIDATES_ALLOWED,
+    Setting("COC_TUNE_CANDIDATES", ",".join(map(str, _DEFAULTS.tune_candidates)), TUNE_CANDIDATES_ALLOWED,
             "With COC_PARALLEL_NUM=auto (or an \"auto\" COC_CUSTOMIZED value): the chunk counts tried beside "
             "Megatron's own path (N=1) for each shape; counts above the shape's rows are skipped."),
     Setting("COC_TUNE_CACHE", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/tune.json`", TUNE_CACHE_ALLOWED,
             "Where auto decisions persist, keyed by shape, dtype, TP and world size, device, backend and "
-            "host/device name: a job "
-            "whose shapes are all cached runs no trials. off = tune every run, keep nothing."),
+            "host/device name: a job whose shapes are all cached runs no trials. off = tune every run, keep "
+            "nothing."),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by load_config.
     Setting("COC_CACHE_DIR", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/pycache`",
             "an absolute directory of this user's; a relative value (e.g. `off`) turns the cache off",

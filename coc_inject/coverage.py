@@ -2,7 +2,7 @@
 
 The engine counts each call under its route -- ``chunked`` (with the chunk count), ``fused``
 (with the backend) or ``megatron`` (with the reason) -- per layer. That is one dict lookup and
-one increment per call (``coc-inject bench --accounting`` measures it). From those counts:
+one increment per call (``make bench-accounting`` measures it). From those counts:
 
 * the **first-step summary**: one line on global rank 0 (every rank at debug level) when the
   first training step ends, defined as the first ``torch.optim.Optimizer.step()`` of the process
@@ -84,7 +84,7 @@ class Coverage:
         self.records: dict[int, LayerRecord] = {}  # by id() of the live layer
         self._retired: list[LayerRecord] = []
         self.foreign_layers: dict[str, int] = {}
-        self.replaced: dict[str, str] = {}  # class name -> module of the forward now in place
+        self.replaced: dict[str, str] = {}  # class name -> module.qualname of the forward now in place
         self.local_layers = 0
         self.summarized = False
         self._lock = threading.Lock()

@@ -1,7 +1,8 @@
 """``COC_PARALLEL_NUM=auto``: each shape's chunk count, chosen at run time, the same on every rank.
 
-A decision is made once per :class:`DecisionKey` (layer case, m, k, n, dtype, TP size, device,
-communication backend, with or without backward), at the first call of that key:
+A decision is made once per :class:`DecisionKey` (layer case, m, k, n, dtype, TP size, device
+type, with or without backward), at the first call of that key; the cache keys it further by the
+hardware identity (device or host name, world and TP size, communication backend):
 
 1. **Cache, agreed.** Group rank 0 looks the key up in the tune cache and broadcasts what it
    found; every rank of the group uses that, whatever its own cache file says.
@@ -87,7 +88,7 @@ def choose(samples: dict) -> tuple[int, float]:
     return (best if baseline - medians[best] > noise else 1), noise
 
 
-def schedule(candidates: list, rounds: int = TIMED_ROUNDS) -> list:
+def schedule(candidates: list, rounds: int = TIMED_ROUNDS) -> tuple[list, list]:
     """Warm-up round (in order), then ``rounds`` timed rounds, each rotated by one: drift in
     the machine's speed spreads over all candidates."""
     timed = []
@@ -125,7 +126,6 @@ class Tuner:
         self.config = config
         self.cache = cache  # tune_cache.TuneCache or None
         self.decisions: dict[DecisionKey, Decision] = {}
-        self.timer = time.perf_counter  # tests skew it per rank
 
     def chunks(self, key: DecisionKey, group, device: torch.device, rows: int, run: Callable[[int], None]) -> int:
         decision = self.decisions.get(key)
@@ -169,10 +169,10 @@ class Tuner:
         for chunks in timed:
             dist.all_reduce(barrier, group=group)
             synchronize(device)
-            start = self.timer()
+            start = time.perf_counter()
             run(chunks)
             synchronize(device)
-            seconds.append(self.timer() - start)
+            seconds.append(time.perf_counter() - start)
         times = torch.tensor(seconds, dtype=torch.float64, device=device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
         samples: dict = {c: [] for c in candidates}
