@@ -115,7 +115,7 @@ def _bootstrap_report(site_dir: str | None) -> list[str]:
 
 def cmd_status(args) -> int:
     from coc_inject import config as config_module
-    from coc_inject import patching
+    from coc_inject import megatron_version
 
     print(f"coc-inject {__version__} (python {sys.version.split()[0]}, {sys.executable})")
     for line in _bootstrap_report(bootstrap.bootstrap_dir()):
@@ -123,7 +123,7 @@ def cmd_status(args) -> int:
 
     errors = config_module.validate_all()
     allow_untested = not errors and config_module.load_config().allow_untested_megatron
-    print(megatron_report(patching.megatron_version(), allow_untested))
+    print(megatron_report(megatron_version.importable(), allow_untested))
     from coc_inject.fused import registry
 
     for name, why_not in registry.status().items():
@@ -146,24 +146,30 @@ def cmd_status(args) -> int:
     return 1 if errors else 0
 
 
-def megatron_report(version: str | None, allow_untested: bool) -> str:
-    """The megatron-core line of ``status``: version, tested / untested / unsupported, guards."""
-    from coc_inject import patching
+def megatron_report(megatron, allow_untested: bool) -> str:
+    """The megatron-core lines of ``status`` for a :class:`coc_inject.megatron_version.Megatron`
+    (None: not importable): version, where it comes from, tested / untested / unsupported, guards."""
+    from coc_inject import megatron_version as mv
     from coc_inject.megatron_forward import GUARDS
 
-    if version is None:
-        return "megatron-core     : not installed"
-    support = patching.megatron_support(version, allow_untested)
+    if megatron is None:
+        return "megatron-core     : not found (import megatron.core would fail on this sys.path)"
+    tested = mv.tested_range()
     why = {
-        patching.TESTED: f"tested (range {patching.tested_range()})",
-        patching.UNTESTED: f"UNTESTED, patched anyway (COC_ALLOW_UNTESTED_MEGATRON=1; tested: {patching.tested_range()})",
-        patching.UNSUPPORTED: f"unsupported, layers left unpatched (tested: {patching.tested_range()}; "
-                              "COC_ALLOW_UNTESTED_MEGATRON=1 tries it)",
-    }[support]
-    lines = [f"megatron-core     : {version} {why}",
-             f"guards            : a call using one of these goes to Megatron's own forward, or CoC handles "
-             f"it as Megatron does ([x]: megatron-core {version} has the feature)"]
-    installed = patching.release(version)
+        mv.TESTED: f"tested (range {tested})",
+        mv.UNTESTED: f"UNTESTED, patched anyway (COC_ALLOW_UNTESTED_MEGATRON=1; tested: {tested})",
+        mv.UNSUPPORTED: f"unsupported, layers left unpatched (tested: {tested}; COC_ALLOW_UNTESTED_MEGATRON=1 "
+                        "tries it)",
+        mv.UNKNOWN: f"release unknown, layers left unpatched (tested: {tested}; COC_ALLOW_UNTESTED_MEGATRON=1 "
+                    "tries it)",
+    }[mv.support(megatron.version, allow_untested)]
+    installed = mv.release(megatron.version)
+    lines = [f"megatron-core     : {megatron.version or 'version unknown'} {why}",
+             f"  from            : {megatron.origin()}"]
+    if installed is None:
+        lines.append(f"  unknown because : {megatron.unknown_why()}")
+    lines.append(f"guards            : a call using one of these goes to Megatron's own forward, or CoC handles "
+                 f"it as Megatron does ([x]: megatron-core {megatron.version} has the feature)")
     for guard in GUARDS:
         since = ".".join(map(str, guard.since))
         present = installed is not None and installed >= guard.since

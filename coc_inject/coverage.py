@@ -29,7 +29,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from coc_inject import log
+from coc_inject import log, megatron_version
 
 CHUNKED, FUSED, MEGATRON = "chunked", "fused", "megatron"
 # The start of the reason when COC_PARALLEL_NUM=auto measured Megatron's own path fastest: CoC
@@ -233,8 +233,6 @@ class Coverage:
 
     # -- the report file ----------------------------------------------------------------------
     def report(self) -> dict:
-        from coc_inject.patching import megatron_version
-
         layers = []
         for record in self.all_records():
             for (route, chunks, backend, reason), calls in record.routes.items():
@@ -248,7 +246,7 @@ class Coverage:
             "rank": _global_rank(),
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "pid": os.getpid(),
-            "megatron_core": megatron_version(),
+            "megatron_core": megatron_version.imported().version,
             "config": self.config.describe(),
             "first_step_summarized": self.summarized,
             "calls": self.calls_by_route(),

@@ -12,54 +12,13 @@ import logging
 import os
 import sys
 
-from coc_inject import __version__, log
+from coc_inject import __version__, log, megatron_version
 
 LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
 PATCHED = ("ColumnParallelLinear", "RowParallelLinear")
-# Oldest and newest megatron-core minor release this version is tested against (Makefile, CI).
-TESTED_MEGATRON = ((0, 13), (0, 19))
-TESTED = "tested"
-UNTESTED = "untested"  # outside the tested range, patched because COC_ALLOW_UNTESTED_MEGATRON=1
-UNSUPPORTED = "unsupported"  # outside the tested range (or unknown): left unpatched
 
 _originals: dict = {}  # class -> original forward
 _engine = None
-
-
-def megatron_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("megatron-core")
-    except Exception:
-        return None
-
-
-def release(version: str | None) -> tuple | None:
-    """(major, minor) of a version string, or None when it does not parse."""
-    try:
-        return tuple(int(part) for part in (version or "").split(".")[:2])
-    except ValueError:
-        return None
-
-
-def megatron_supported(version: str | None) -> bool:
-    """Is ``version`` inside the tested range?"""
-    major_minor = release(version)
-    return major_minor is not None and TESTED_MEGATRON[0] <= major_minor <= TESTED_MEGATRON[1]
-
-
-def megatron_support(version: str | None, allow_untested: bool) -> str:
-    """TESTED, UNTESTED (opted in) or UNSUPPORTED: whether the layers get patched, and why."""
-    if megatron_supported(version):
-        return TESTED
-    # An unparsable version is not opted into: nothing is known about its layers.
-    return UNTESTED if allow_untested and release(version) is not None else UNSUPPORTED
-
-
-def tested_range() -> str:
-    low, high = (".".join(map(str, v)) for v in TESTED_MEGATRON)
-    return f"{low} .. {high}.x"
 
 
 def _wrap(original, route):
@@ -141,7 +100,7 @@ def banner(config, version: str | None) -> str:
     chunks = "fused" if config.fused else "N=auto" if config.parallel_num == AUTO else f"N={config.parallel_num}"
     return (
         f"CoC installed: pid {os.getpid()}, rank {rank}/{world}, mode {config.mode}, {chunks}, "
-        f"megatron-core {version}, coc-inject {__version__}, patched "
+        f"megatron-core {version or 'of unknown version'}, coc-inject {__version__}, patched "
         + ", ".join(f"{name}.forward" for name in PATCHED)
         + " (which layer calls it runs: the first-step summary)"
     )
@@ -163,26 +122,20 @@ def on_layers_imported(module) -> None:
         raise
     sys.argv[:] = remaining
     log.configure(config.log_level)
-    version = megatron_version()
     if not config.enabled:
         log.logger.debug("CoC is off (%s); Megatron layers left unpatched", config.describe())
         return
-    support = megatron_support(version, config.allow_untested_megatron)
-    if support == UNSUPPORTED:
-        log.logger.warning(
-            "CoC NOT applied: megatron-core %s is outside the tested range %s; "
-            "set COC_ALLOW_UNTESTED_MEGATRON=1 to try it anyway", version, tested_range(),
-        )
+    megatron = megatron_version.imported()
+    decision = megatron_version.support(megatron.version, config.allow_untested_megatron)
+    warning = megatron_version.support_warning(megatron, decision)
+    if warning is not None:
+        log.logger.warning(warning)
+    if decision not in (megatron_version.TESTED, megatron_version.UNTESTED):
         return
-    if support == UNTESTED:
-        log.logger.warning(
-            "megatron-core %s is outside the tested range %s: CoC is applied UNTESTED "
-            "(COC_ALLOW_UNTESTED_MEGATRON=1); compare a few steps with CoC off", version, tested_range(),
-        )
     install(config, module)
     rank, _ = _rank_and_world()
     # Global rank 0 says it at info level; with COC_LOG_LEVEL=debug every rank does.
-    log.logger.log(logging.INFO if rank == 0 else logging.DEBUG, banner(config, version))
+    log.logger.log(logging.INFO if rank == 0 else logging.DEBUG, banner(config, megatron.version))
 
 
 def _mindspeed_flags(extract):

@@ -8,14 +8,15 @@ would ignore the feature.
 
 import pytest
 
-from coc_inject.patching import megatron_version, release
+from coc_inject.megatron_version import importable, release
 from dist_harness import RankPool
 
-MEGATRON = release(megatron_version())
+VERSION = importable().version
+MEGATRON = release(VERSION)
 
 
 def needs(since):
-    return pytest.mark.skipif(MEGATRON < since, reason=f"megatron-core {megatron_version()} predates the feature")
+    return pytest.mark.skipif(MEGATRON < since, reason=f"megatron-core {VERSION} predates the feature")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 
 layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
 
-from coc_inject import log, patching  # noqa: E402
+from coc_inject import log, megatron_version, patching  # noqa: E402
 from coc_inject.config import CocConfig  # noqa: E402
 
 CLASSES = (layers.ColumnParallelLinear, layers.RowParallelLinear)
@@ -62,7 +62,8 @@ def _on_layers_imported_saying(monkeypatch, version, **env):
     monkeypatch.setenv("COC_PARALLEL_NUM", "4")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(patching, "megatron_version", lambda: version)
+    megatron = megatron_version.Megatron(version, "/checkout/megatron/core")
+    monkeypatch.setattr(megatron_version, "imported", lambda: megatron)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -74,12 +75,13 @@ def _on_layers_imported_saying(monkeypatch, version, **env):
     return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
 
 
-@pytest.mark.parametrize("version", ["0.9.0", "0.20.0", "dev"])
+@pytest.mark.parametrize("version", ["0.9.0", "0.20.0"])
 def test_untested_megatron_version_is_left_alone_and_said(monkeypatch, version):
     warnings = _on_layers_imported_saying(monkeypatch, version)
     assert not patching.is_installed()
     assert len(warnings) == 1
-    assert f"CoC NOT applied: megatron-core {version} is outside the tested range 0.13 .. 0.19.x" in warnings[0]
+    assert (f"CoC NOT applied: megatron-core {version} from directory /checkout is outside the tested range "
+            "0.13 .. 0.19.x") in warnings[0]
     assert "COC_ALLOW_UNTESTED_MEGATRON=1" in warnings[0]
 
 
@@ -89,8 +91,29 @@ def test_untested_megatron_version_is_patched_when_opted_in_and_said(monkeypatch
         assert patching.is_installed()
     finally:
         patching.uninstall()
-    assert len(warnings) == 1 and "0.20.0 is outside the tested range" in warnings[0]
+    assert len(warnings) == 1 and "0.20.0 from directory /checkout is outside the tested range" in warnings[0]
     assert "UNTESTED" in warnings[0]
+
+
+@pytest.mark.parametrize("version,why", [
+    (None, "megatron.core.package_info.__version__ is missing, and no installed megatron-core distribution owns "
+           "/checkout/megatron/core"),
+    ("dev", "megatron.core.package_info.__version__ is 'dev', not a release number"),
+])
+def test_unknown_megatron_version_is_left_alone_and_said(monkeypatch, version, why):
+    warnings = _on_layers_imported_saying(monkeypatch, version)
+    assert not patching.is_installed()
+    assert warnings == [f"CoC NOT applied: the release of megatron.core from directory /checkout cannot be "
+                        f"determined ({why}); set COC_ALLOW_UNTESTED_MEGATRON=1 to try it anyway"]
+
+
+def test_unknown_megatron_version_is_patched_when_opted_in_and_said(monkeypatch):
+    try:
+        warnings = _on_layers_imported_saying(monkeypatch, None, COC_ALLOW_UNTESTED_MEGATRON="1")
+        assert patching.is_installed()
+    finally:
+        patching.uninstall()
+    assert len(warnings) == 1 and "cannot be determined" in warnings[0] and "UNTESTED" in warnings[0]
 
 
 def test_tested_megatron_version_is_patched_without_warning(monkeypatch):
@@ -106,23 +129,29 @@ def test_tested_megatron_version_is_patched_without_warning(monkeypatch):
     ("0.13.1", False, "tested"), ("0.16.1", False, "tested"), ("0.17.1", False, "tested"),
     ("0.18.2", False, "tested"), ("0.19.2", False, "tested"), ("0.19.3rc0", False, "tested"),
     ("0.12.3", False, "unsupported"), ("0.20.0", False, "unsupported"), ("0.20.0", True, "untested"),
-    ("0.12.3", True, "untested"), ("", True, "unsupported"), ("dev", True, "unsupported"),
-    (None, True, "unsupported"),
+    ("0.12.3", True, "untested"), ("0.19.2+1a2b3c4", False, "tested"), ("0.20.0rc0", False, "unsupported"),
+    ("", False, "unknown"), ("dev", False, "unknown"), (None, False, "unknown"), ("1", False, "unknown"),
+    ("", True, "untested"), ("dev", True, "untested"), (None, True, "untested"),
 ])
 def test_version_gate(version, allow, support):
-    assert patching.megatron_support(version, allow) == support
+    assert megatron_version.support(version, allow) == support
 
 
 def test_status_lists_the_guards_of_the_installed_release():
     from coc_inject.cli import megatron_report
     from coc_inject.megatron_forward import GUARDS
 
-    report = megatron_report("0.18.2", False)
-    assert "0.18.2 tested" in report
+    def found(version):
+        return megatron_version.Megatron(version, "/checkout/megatron/core")
+
+    report = megatron_report(found("0.18.2"), False)
+    assert "0.18.2 tested" in report and "from            : directory /checkout" in report
     marks = {line.split("] ", 1)[1].split(" (since")[0]: line[3] for line in report.splitlines() if "[" in line[:4]}
     assert marks == {guard.feature: "x" if guard.since <= (0, 18) else " " for guard in GUARDS}
-    assert "unsupported, layers left unpatched" in megatron_report("0.21.0", False)
-    assert "UNTESTED, patched anyway" in megatron_report("0.21.0", True)
+    assert "unsupported, layers left unpatched" in megatron_report(found("0.21.0"), False)
+    assert "UNTESTED, patched anyway" in megatron_report(found("0.21.0"), True)
+    assert "release unknown, layers left unpatched" in megatron_report(found(None), False)
+    assert "not found" in megatron_report(None, False)
 
 
 def test_engine_never_allocates_with_cuda_current_device():
