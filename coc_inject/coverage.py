@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -135,16 +136,22 @@ class Coverage:
         foreign: dict[str, int] = {}
         local = 0
         gc.collect()  # layers that are garbage must not count (once per summary / report)
-        for obj in gc.get_objects():
-            if not isinstance(obj, torch.nn.Module):
-                continue
-            for child_name, child in obj._modules.items():
-                if child is not None:
-                    parents[id(child)] = (obj, child_name)
-            if isinstance(obj, local_classes):
-                local += 1
-            elif is_foreign_linear(obj):
-                foreign[type(obj).__name__] = foreign.get(type(obj).__name__, 0) + 1
+        # type(obj) reads no attribute of the object: isinstance() would read a foreign object's
+        # __class__, which some objects warn about (torch.distributed.reduce_op: a FutureWarning
+        # in every job). Whatever else a walked object says is not the user's business either.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                cls = type(obj)
+                if not issubclass(cls, torch.nn.Module):
+                    continue
+                for child_name, child in obj._modules.items():
+                    if child is not None:
+                        parents[id(child)] = (obj, child_name)
+                if issubclass(cls, local_classes):
+                    local += 1
+                elif is_foreign_linear(obj):
+                    foreign[cls.__name__] = foreign.get(cls.__name__, 0) + 1
         for record in self.records.values():
             layer = record.layer()
             if layer is not None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,28 @@ def test_report_written_when_the_job_dies(tmp_path, ending, returncode):
     assert report["config"]["parallel_num"] == 4 and report["layers"] == []
     for key in ("megatron_core", "foreign_layers", "calls", "first_step_summarized"):
         assert key in report
+
+
+class _Touchy:
+    """Counts every attribute read on its instances (as torch.distributed.reduce_op warns on each)."""
+
+    reads = 0
+
+    def __getattribute__(self, name):
+        type(self).reads += 1
+        return object.__getattribute__(self, name)
+
+
+def test_the_scan_of_live_objects_reads_no_foreign_attribute_and_warns_nothing():
+    import torch.distributed
+
+    touchy = _Touchy()
+    assert torch.distributed.reduce_op is not None  # alive, as in every job that imports torch.distributed
+    cov = coverage.Coverage(CocConfig(parallel_num=4), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning from the scan fails the test
+        cov.inspect_model()
+    assert _Touchy.reads == 0 and touchy is not None
 
 
 def test_cli_report_prints_a_table(tmp_path):
