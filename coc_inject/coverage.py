@@ -7,8 +7,10 @@ one increment per call (``make bench-accounting`` measures it). From those count
 * the **first-step summary**: one line on global rank 0 (every rank at debug level) when the
   first training step ends, defined as the first ``torch.optim.Optimizer.step()`` of the process
   (a global optimizer step hook, removed once it fired); a process that never steps an
-  optimizer (inference) gets it at exit. With it come the warnings: Transformer Engine linears
-  in the model, no call through CoC, a patched ``forward`` replaced by someone else;
+  optimizer (inference) gets it at exit, unless it ends by an exception or SIGTERM before any
+  patched layer call (then there is nothing to summarise; the report's ``ended_by`` says so).
+  With it come the warnings: Transformer Engine linears in the model, no call through CoC, a
+  patched ``forward`` replaced by someone else;
 * the **report file** (``COC_REPORT``), written at exit, after an uncaught exception and on
   SIGTERM (torchrun stops the other ranks of a failed job that way).
 
@@ -25,6 +27,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import warnings
 import weakref
@@ -88,6 +91,7 @@ class Coverage:
         self.replaced: dict[str, str] = {}  # class name -> module.qualname of the forward now in place
         self.local_layers = 0
         self.summarized = False
+        self.ended_by = None  # "exception" or "SIGTERM" when the process did not end normally (report time)
         self._lock = threading.Lock()
         self._step_hook = None
         self._report_written = False
@@ -256,6 +260,7 @@ class Coverage:
             "megatron_core": megatron_version.imported().version,
             "config": self.config.describe(),
             "first_step_summarized": self.summarized,
+            "ended_by": self.ended_by,
             "calls": self.calls_by_route(),
             "layers": layers,
             "local_layers": self.local_layers,
@@ -268,7 +273,14 @@ class Coverage:
                 for key, decision in self.decisions().items()],
         }
 
+    def ended_before_any_call(self) -> bool:
+        """Did the process end abnormally before its first step and before any patched layer call?
+        Then a summary would only print "0 of 0 ... none" and a no-call warning after the traceback,
+        as if CoC had failed: it is left out (the report says ``ended_by``)."""
+        return self.ended_by is not None and not self.summarized and not any(r.routes for r in self.all_records())
+
     def _on_sigterm(self, signum, frame):
+        self.ended_by = "SIGTERM"
         self.write_report()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -290,7 +302,9 @@ class Coverage:
             return None
         self._report_written = True
         try:
-            if not self.summarized:
+            if self.ended_by is None and _ended_by_exception():
+                self.ended_by = "exception"
+            if not self.summarized and not self.ended_before_any_call():
                 self.first_step_done()  # no optimizer step: summarise what happened
             else:
                 self.inspect_model()
@@ -314,6 +328,12 @@ def report_path(template: str | None, rank: int | None = None) -> str | None:
     if "{rank}" in template:
         return template.replace("{rank}", str(rank))
     return template if rank == 0 else None
+
+
+def _ended_by_exception() -> bool:
+    """At exit: did an uncaught exception end the process? (Python keeps it in sys.last_value /
+    sys.last_exc once it has printed the traceback, before the atexit handlers run.)"""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 def _global_rank() -> int:

@@ -159,6 +159,52 @@ def test_report_written_when_the_job_dies(tmp_path, ending, returncode):
         assert key in report
 
 
+ENDINGS = textwrap.dedent("""
+    import os, signal, sys
+    from coc_inject import coverage, log
+    from coc_inject.config import CocConfig
+    log.configure("info")
+    cov = coverage.Coverage(CocConfig(parallel_num=4, report=sys.argv[1]), {})
+    cov.arm()
+    if sys.argv[2] == "raise":
+        raise AssertionError("cannot use --fp16 and --bf16 together")
+    if sys.argv[2] == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+""")
+
+
+@pytest.mark.parametrize("ending,ended_by", [("raise", "exception"), ("sigterm", "SIGTERM"), ("exit", None)])
+def test_no_summary_when_the_job_ends_abnormally_before_any_layer_call(tmp_path, ending, ended_by):
+    path = tmp_path / "report.json"
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", ENDINGS, str(path), ending], env=env, capture_output=True,
+                          text=True, timeout=120)
+    summaries = [line for line in proc.stderr.splitlines() if "first step:" in line]
+    report = json.loads(path.read_text())
+    assert report["ended_by"] == ended_by and report["first_step_summarized"] == (ended_by is None)
+    if ended_by is None:  # a normal end with no layer call (nothing ran through Megatron) is still said
+        assert summaries == ["[coc-inject rank 0] first step: CoC on 0 of 0 TP linear layers; layer calls: none"]
+        assert "no layer call went through it" in proc.stderr
+    else:
+        assert summaries == [] and "no layer call" not in proc.stderr, proc.stderr
+
+
+def test_job_raising_before_its_first_step_gets_no_summary(tmp_path):
+    # The product's path: the bootstrap patches Megatron's layers at import, then the job fails in its
+    # argument checks (Megatron-LM's pretrain_gpt.py with --fp16 --bf16), before any layer call.
+    script = ("import megatron.core.tensor_parallel.layers\n"
+              "raise AssertionError('cannot use --fp16 and --bf16 together')")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "sitecustomize"), COC_PARALLEL_NUM="4",
+               COC_REPORT=str(tmp_path / "coc.json"))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "cannot use --fp16 and --bf16 together" in proc.stderr
+    assert "CoC installed" in proc.stderr, proc.stderr[-3000:]
+    assert "first step:" not in proc.stderr and "0 of 0" not in proc.stderr and "no layer call" not in proc.stderr
+    report = json.loads((tmp_path / "coc.json").read_text())
+    assert report["ended_by"] == "exception" and not report["first_step_summarized"]
+    assert report["calls"] == {"chunked": 0, "fused": 0, "megatron": 0} and report["megatron_core"]
+
+
 class _Touchy:
     """Counts every attribute read on its instances (as torch.distributed.reduce_op warns on each)."""
 
