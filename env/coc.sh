@@ -1,6 +1,6 @@
 # coc-inject: turn Communication-over-Computation on for Megatron jobs started from this shell.
 #
-#   source env/coc.sh          put the bootstrap on PYTHONPATH (CoC stays as the COC_* variables say)
+#   source env/coc.sh          put the bootstrap on PYTHONPATH (CoC as the COC_* variables or the job's MindSpeed flags say)
 #   source env/coc.sh 4        ... and chunked CoC with 4 chunks  (COC_PARALLEL_NUM=4 USE_COC_FUSED_KERNEL=0)
 #   source env/coc.sh auto     ... and chunk counts tuned per shape (COC_PARALLEL_NUM=auto USE_COC_FUSED_KERNEL=0)
 #   source env/coc.sh fused    ... and the fused kernel           (USE_COC_FUSED_KERNEL=1)
@@ -68,7 +68,8 @@ _coc_inject_env() {
             _coc_vars="$_coc_vars $_coc_name=$_coc_val"
         fi
     done
-    printf '%s\n' "[coc-inject] bootstrap on PYTHONPATH ($_coc_site);${_coc_vars:- no CoC variables set (CoC off)}" >&2
+    # Without variables the command line of the job can still turn CoC on (the MindSpeed flags).
+    printf '%s\n' "[coc-inject] bootstrap on PYTHONPATH ($_coc_site);${_coc_vars:- no CoC variables set: CoC is off unless the job passes the MindSpeed flags --use-ascend-coc --coc-parallel-num N (or --coc-fused-kernel), which turn it on}" >&2
     return 0
 }
 
