@@ -61,8 +61,8 @@ bench-accounting: $(VENV)/.installed
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
 # requirements when $(2) skips them) + this package (a regular, non-editable install:
 # setuptools' editable finder would add ~20 ms to every interpreter start in the venv).
-# Installing this package never changes the megatron-core already there: its dependency
-# has no upper bound.
+# This package does not depend on megatron-core (only its [megatron] extra does), so installing
+# it never changes the megatron-core installed here first.
 define make_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
