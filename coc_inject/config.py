@@ -84,6 +84,20 @@ LOG_LEVEL_ALLOWED = ", ".join(LOG_LEVELS) + " (any case)"
 FUSED_BACKENDS = ("auto", "chunked", "atb", "mc2", "symm_mem")
 FUSED_BACKEND_ALLOWED = ", ".join(FUSED_BACKENDS) + " (any case)"
 REPORT_ALLOWED = "a file path (its directory must be writable); {rank} is replaced by the global rank"
+# Context parallelism on Megatron's local attention (coc_inject.context_parallel).
+CP_ALGOS = ("ring", "ulysses", "hybrid", "allgather", "megatron")
+# MindSpeed's --context-parallel-algo names, and Megatron's spelling of all-gather.
+CP_ALGO_ALIASES = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid",
+                   "all_gather": "allgather"}
+CP_ALGO_ALLOWED = ("ring, ulysses, hybrid, allgather, or megatron (each layer's cp_comm_type: p2p = ring, "
+                   "a2a = ulysses, a2a+p2p = hybrid, all_gather = allgather); MindSpeed's megatron_cp_algo "
+                   "(= ring), ulysses_cp_algo, hybrid_cp_algo (any case)")
+CP_WINDOW_ALLOWED = ("an integer >= 1: 1 = ring; w > 1 = Double-Ring with inner rings of w ranks "
+                     "(w < the ring's size, w divides it)")
+CP_ULYSSES_ALLOWED = "an integer >= 2 that divides the context-parallel size and is smaller than it"
+CP_MASK_TYPES = ("causal", "general")
+CP_MASK_ALLOWED = ("causal or general (any case): causal = the layer's mask is causal (no mask tensor, or a causal "
+                   "one); general = the mask tensor decides (none = no mask, a causal one = causal)")
 FLAG_NEEDS_USE_ASCEND_COC = "--use-ascend-coc alongside it (MindSpeed only honours the CoC flags with --use-ascend-coc)"
 
 
@@ -146,6 +160,11 @@ class CocConfig:
     allow_untested_megatron: bool = False
     # Process-local: where each rank writes its coverage report at exit (None: no report).
     report: str | None = None
+    # Context parallelism on the local attention; None: not set (see cp_algorithm).
+    cp_algo: str | None = None
+    cp_window: int = 1
+    cp_ulysses_degree: int | None = None
+    cp_mask_type: str | None = None
 
     def __post_init__(self):
         # Built by hand (tests, other modules) as well as by load_config, so normalise and
@@ -182,6 +201,14 @@ class CocConfig:
             raise ConfigError(f"{where}.log_level", self.log_level, ", ".join(LOG_LEVELS))
         if self.fused_backend not in FUSED_BACKENDS:
             raise ConfigError(f"{where}.fused_backend", self.fused_backend, ", ".join(FUSED_BACKENDS))
+        if self.cp_algo is not None and self.cp_algo not in CP_ALGOS:
+            raise ConfigError(f"{where}.cp_algo", self.cp_algo, CP_ALGO_ALLOWED)
+        if not (_is_int(self.cp_window) and self.cp_window >= 1):
+            raise ConfigError(f"{where}.cp_window", self.cp_window, CP_WINDOW_ALLOWED)
+        if self.cp_ulysses_degree is not None and not (_is_int(self.cp_ulysses_degree) and self.cp_ulysses_degree >= 2):
+            raise ConfigError(f"{where}.cp_ulysses_degree", self.cp_ulysses_degree, CP_ULYSSES_ALLOWED)
+        if self.cp_mask_type is not None and self.cp_mask_type not in CP_MASK_TYPES:
+            raise ConfigError(f"{where}.cp_mask_type", self.cp_mask_type, CP_MASK_ALLOWED)
 
     @property
     def enabled(self) -> bool:
@@ -189,6 +216,19 @@ class CocConfig:
             return False
         return (self.fused or self.parallel_num > 1 or self.parallel_num == AUTO
                 or any(chunks != 1 for _, chunks in self.customized_coc))
+
+    @property
+    def cp_algorithm(self) -> str | None:
+        """The context-parallel algorithm for the local attention: COC_CP_ALGO, else "megatron"
+        (each layer's cp_comm_type) whenever CoC is on, else None (attention left to Megatron)."""
+        if self.disabled:
+            return None
+        return self.cp_algo if self.cp_algo is not None else "megatron" if self.enabled else None
+
+    @property
+    def armed(self) -> bool:
+        """Does coc-inject patch anything: the linears (enabled) or the attention (cp_algorithm)?"""
+        return self.enabled or self.cp_algorithm is not None
 
     @property
     def mode(self) -> str:
@@ -224,6 +264,11 @@ class CocConfig:
             **({"deterministic": True} if self.deterministic else {}),
             **({"tune_candidates": list(self.tune_candidates)}
                if self.tune_candidates != _DEFAULTS.tune_candidates else {}),
+            # Only when set: "megatron" is implied by CoC on, which the fields above already agree on.
+            **({"cp_algo": self.cp_algo, "cp_window": self.cp_window,
+                "cp_ulysses_degree": self.cp_ulysses_degree, "cp_mask_type": self.cp_mask_type}
+               if (self.cp_algo, self.cp_window, self.cp_ulysses_degree, self.cp_mask_type) != (None, 1, None, None)
+               else {}),
         }
 
     def fingerprint(self) -> int:
@@ -261,6 +306,11 @@ class CocConfig:
             "report": self.report,
             "tune_candidates": list(self.tune_candidates),
             "tune_cache": self.tune_cache,
+            "cp_algo": self.cp_algo,
+            "cp_algorithm": self.cp_algorithm,
+            "cp_window": self.cp_window,
+            "cp_ulysses_degree": self.cp_ulysses_degree,
+            "cp_mask_type": self.cp_mask_type,
         }
 
 
@@ -327,6 +377,16 @@ ENV_REFERENCE = (
             "Where auto decisions persist, keyed by shape, dtype, TP and world size, device, backend and "
             "host/device name: a job whose shapes are all cached runs no trials. off = tune every run, keep "
             "nothing."),
+    Setting("COC_CP_ALGO", "(unset: megatron when CoC is on, else off)", CP_ALGO_ALLOWED,
+            "Context parallelism on Megatron's local DotProductAttention (which refuses CP by itself): the "
+            "algorithm over the context-parallel group. Setting it arms coc-inject on its own (the linears "
+            "may stay off)."),
+    Setting("COC_CP_WINDOW", _shown(_DEFAULTS.cp_window), CP_WINDOW_ALLOWED,
+            "MindSpeed's --cp-window-size: with ring (and the ring part of hybrid), w > 1 is Double-Ring."),
+    Setting("COC_CP_ULYSSES_DEGREE", "(unset: Megatron's hierarchical_context_parallel_sizes)", CP_ULYSSES_ALLOWED,
+            "MindSpeed's --ulysses-degree-in-cp: hybrid's Ulysses group size; the ring runs across the groups."),
+    Setting("COC_CP_MASK_TYPE", "(unset: the layer's mask type)", CP_MASK_ALLOWED,
+            "MindSpeed's --attention-mask-type for the context-parallel attention."),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by load_config.
     Setting("COC_CACHE_DIR", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/pycache`",
             "an absolute directory of this user's; a relative value (e.g. `off`) turns the cache off",
@@ -465,6 +525,35 @@ def default_tune_cache(environ) -> str | None:
     return os.path.join(base, "coc-inject", "tune.json") if base else None
 
 
+def parse_cp_algo(variable: str, text: str) -> str:
+    word = text.strip().lower()
+    word = CP_ALGO_ALIASES.get(word, word)
+    if word in CP_ALGOS:
+        return word
+    raise ConfigError(variable, text, CP_ALGO_ALLOWED)
+
+
+def parse_cp_window(variable: str, text: str) -> int:
+    digits = text.strip()
+    if digits.isascii() and digits.isdigit() and int(digits) >= 1:
+        return int(digits)
+    raise ConfigError(variable, text, CP_WINDOW_ALLOWED)
+
+
+def parse_cp_ulysses_degree(variable: str, text: str) -> int:
+    digits = text.strip()
+    if digits.isascii() and digits.isdigit() and int(digits) >= 2:
+        return int(digits)
+    raise ConfigError(variable, text, CP_ULYSSES_ALLOWED)
+
+
+def parse_cp_mask_type(variable: str, text: str) -> str:
+    word = text.strip().lower()
+    if word in CP_MASK_TYPES:
+        return word
+    raise ConfigError(variable, text, CP_MASK_ALLOWED)
+
+
 def parse_fused_backend(variable: str, text: str) -> str:
     choice = text.strip().lower()
     if choice in FUSED_BACKENDS:
@@ -555,7 +644,7 @@ def _env_text(environ, name: str) -> str | None:
     return text
 
 
-def _resolve(environ, argv_flags) -> tuple[dict, list]:
+def _resolve(environ, argv_flags, cp_flags=None) -> tuple[dict, list]:
     """Every variable parsed in ENV_REFERENCE order; returns (CocConfig kwargs, errors)."""
     errors: list = []
     values: dict = {}
@@ -598,8 +687,90 @@ def _resolve(environ, argv_flags) -> tuple[dict, list]:
         values["tune_cache"] = default_tune_cache(environ)
     parse("COC_TUNE_CACHE", parse_tune_cache, "tune_cache")
 
+    env_cp = {target: parse(name, parser, target) for name, parser, target in _CP_VARIABLES}
+
     _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
+    _merge_cp_flags(cp_flags or {}, env_cp, values, errors)
     return values, errors
+
+
+# (variable, parser, CocConfig field, MindSpeed flag) of the context-parallel settings.
+_CP_SETTINGS = (
+    ("COC_CP_ALGO", parse_cp_algo, "cp_algo", "--context-parallel-algo"),
+    ("COC_CP_WINDOW", parse_cp_window, "cp_window", "--cp-window-size"),
+    ("COC_CP_ULYSSES_DEGREE", parse_cp_ulysses_degree, "cp_ulysses_degree", "--ulysses-degree-in-cp"),
+    ("COC_CP_MASK_TYPE", parse_cp_mask_type, "cp_mask_type", "--attention-mask-type"),
+)
+_CP_VARIABLES = tuple(setting[:3] for setting in _CP_SETTINGS)
+# Accepted and removed: coc-inject's ring always overlaps its transfers with compute.
+CP_OVERLAP_FLAG = "--use-cp-send-recv-overlap"
+
+
+def _merge_cp_flags(cp_flags, env_cp, values, errors) -> None:
+    """MindSpeed's context-parallel flags where the variable is unset; a disagreement is an error.
+    Then: a CP refinement without any CP algorithm would do nothing, which is an error too."""
+    for variable, _, target, flag in _CP_SETTINGS:
+        if target not in cp_flags:
+            continue
+        if env_cp[target] is None:
+            values[target] = cp_flags[target]
+        elif target in values and values[target] != cp_flags[target]:
+            errors.append(ConfigError(
+                f"{flag} / {variable}", f"{cp_flags[target]} / {env_cp[target].strip()}",
+                "the same value in both places, or only one of them",
+                message=(f"{flag} {cp_flags[target]} disagrees with {variable}={env_cp[target].strip()}: "
+                         "set only one of them, or the same value in both")))
+    if values.get("cp_algo") is not None or values.get("disabled"):
+        return
+    coc_on = values.get("fused") or values.get("parallel_num", 1) != 1 or any(
+        chunks != 1 for _, chunks in values.get("customized_coc", ()))
+    for variable, _, target, flag in _CP_SETTINGS[1:]:
+        if target in values and not coc_on:
+            given = flag if target in cp_flags else variable
+            errors.append(ConfigError(given, values[target], "COC_CP_ALGO (or --context-parallel-algo) set too, "
+                                      "or CoC on (then the algorithm follows Megatron's cp_comm_type)",
+                                      reason="is given but context parallelism is not switched on"))
+
+
+def extract_cp_flags(argv: list) -> tuple:
+    """Take MindSpeed's context-parallel flags out of ``argv``: (given flags by CocConfig field, the rest).
+
+    ``--context-parallel-algo``, ``--cp-window-size``, ``--ulysses-degree-in-cp`` and
+    ``--attention-mask-type`` take a value (``--flag V`` or ``--flag=V``); ``--use-cp-send-recv-overlap``
+    is accepted and dropped. Everything after a bare ``--`` is left alone.
+    """
+    by_flag = {flag: (parser, target) for _, parser, target, flag in _CP_SETTINGS}
+    flags: dict = {}
+    rest: list = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        index += 1
+        if token == "--":
+            rest.extend(argv[index - 1:])
+            break
+        name, has_value, text = token.partition("=") if isinstance(token, str) else (token, "", "")
+        if name == CP_OVERLAP_FLAG and not has_value:
+            continue
+        if name not in by_flag:
+            rest.append(token)
+            continue
+        parser, target = by_flag[name]
+        if not has_value:
+            if index >= len(argv):
+                raise ConfigError(name, None, _ALLOWED[_variable_of(target)],
+                                  message=f"{name} is missing its value: expected {_ALLOWED[_variable_of(target)]}")
+            text = argv[index]
+            index += 1
+        value = parser(name, text)
+        if target in flags and flags[target] != value:
+            raise ConfigError(name, text, f"one value (it was already given as {flags[target]})", reason="is given twice")
+        flags[target] = value
+    return flags, rest
+
+
+def _variable_of(target: str) -> str:
+    return next(variable for variable, _, field_name, _ in _CP_SETTINGS if field_name == target)
 
 
 def _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors) -> None:
@@ -641,18 +812,19 @@ def _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors) -> Non
             ))
 
 
-def validate_all(environ=None, argv_flags: dict | None = None) -> list:
+def validate_all(environ=None, argv_flags: dict | None = None, cp_flags: dict | None = None) -> list:
     """Every problem with the settings, in ENV_REFERENCE order (empty when all is well)."""
-    _, errors = _resolve(os.environ if environ is None else environ, argv_flags)
+    _, errors = _resolve(os.environ if environ is None else environ, argv_flags, cp_flags)
     return errors
 
 
-def load_config(environ=None, argv_flags: dict | None = None) -> CocConfig:
-    """The CocConfig from ``environ`` (default ``os.environ``) and optional MindSpeed flags.
+def load_config(environ=None, argv_flags: dict | None = None, cp_flags: dict | None = None) -> CocConfig:
+    """The CocConfig from ``environ`` (default ``os.environ``) and optional MindSpeed flags
+    (``argv_flags``: extract_mindspeed_flags; ``cp_flags``: extract_cp_flags).
 
     Raises the first :class:`ConfigError`; use :func:`validate_all` to see all of them.
     """
-    values, errors = _resolve(os.environ if environ is None else environ, argv_flags)
+    values, errors = _resolve(os.environ if environ is None else environ, argv_flags, cp_flags)
     if errors:
         raise errors[0]
     return CocConfig(**values)

@@ -14,6 +14,7 @@ from coc_inject.config import (
     FILE_REFERENCE,
     CocConfig,
     ConfigError,
+    extract_cp_flags,
     extract_mindspeed_flags,
     load_config,
     unknown_variables,
@@ -33,9 +34,9 @@ FALSY = ["0", "false", "False", "FALSE", "no", "NO", "off", "Off", " off ", "\nf
 FLAGS_ON = {"use_ascend_coc": True, "parallel_num": None, "fused": False}
 
 
-def error_of(environ, argv_flags=None) -> ConfigError:
+def error_of(environ, argv_flags=None, cp_flags=None) -> ConfigError:
     with pytest.raises(ConfigError) as info:
-        load_config(environ, argv_flags)
+        load_config(environ, argv_flags, cp_flags)
     return info.value
 
 
@@ -82,7 +83,8 @@ def test_reference_covers_every_variable_once():
         "COC_DISABLE", "COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_RECOMPUTE_ALL_GATHER",
         "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
         "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT",
-        "COC_TUNE_CANDIDATES", "COC_TUNE_CACHE", "COC_CACHE_DIR",
+        "COC_TUNE_CANDIDATES", "COC_TUNE_CACHE", "COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE",
+        "COC_CP_MASK_TYPE", "COC_CACHE_DIR",
     ]
     for setting in ENV_REFERENCE + FILE_REFERENCE:
         assert setting.default and setting.allowed and setting.meaning
@@ -754,3 +756,60 @@ def test_tune_cache_default_off_and_bad_values():
     assert load_config({"COC_TUNE_CACHE": "/t/tune.json"}).tune_cache == "/t/tune.json"
     err = error_of({"COC_TUNE_CACHE": "relative/tune.json"})
     assert err.variable == "COC_TUNE_CACHE" and "absolute file path, or off" in str(err)
+
+
+# --- context parallelism ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,want", [("ring", "ring"), ("Megatron_CP_Algo", "ring"), ("ulysses_cp_algo", "ulysses"),
+                                       ("hybrid_cp_algo", "hybrid"), ("all_gather", "allgather"),
+                                       (" allgather ", "allgather"), ("megatron", "megatron")])
+def test_cp_algo_names(text, want):
+    config = load_config({"COC_CP_ALGO": text})
+    assert config.cp_algorithm == want and config.armed and not config.enabled
+
+
+def test_cp_follows_megatron_when_coc_is_on_and_is_off_otherwise():
+    assert load_config({"COC_PARALLEL_NUM": "4"}).cp_algorithm == "megatron"
+    assert load_config({}).cp_algorithm is None and not load_config({}).armed
+    assert load_config({"COC_CP_ALGO": "ring", "COC_DISABLE": "1"}).cp_algorithm is None
+
+
+@pytest.mark.parametrize("environ,variable,allowed", [
+    ({"COC_CP_ALGO": "zigzag"}, "COC_CP_ALGO", "ring, ulysses, hybrid, allgather"),
+    ({"COC_CP_ALGO": "ring", "COC_CP_WINDOW": "0"}, "COC_CP_WINDOW", "an integer >= 1"),
+    ({"COC_CP_ALGO": "hybrid", "COC_CP_ULYSSES_DEGREE": "1"}, "COC_CP_ULYSSES_DEGREE", "an integer >= 2"),
+    ({"COC_CP_ALGO": "ring", "COC_CP_MASK_TYPE": "padding"}, "COC_CP_MASK_TYPE", "causal or general"),
+    ({"COC_CP_WINDOW": "2"}, "COC_CP_WINDOW", "COC_CP_ALGO"),
+])
+def test_cp_errors_name_variable_value_and_allowed(environ, variable, allowed):
+    error = error_of(environ)
+    assert error.variable == variable and allowed in str(error) and environ[variable] in str(error)
+
+
+def test_cp_flags_are_taken_out_of_argv():
+    argv = ["train.py", "--context-parallel-algo", "megatron_cp_algo", "--cp-window-size=2", "--lr", "1",
+            "--use-cp-send-recv-overlap", "--attention-mask-type", "causal", "--ulysses-degree-in-cp", "2", "--",
+            "--cp-window-size", "4"]
+    flags, rest = extract_cp_flags(argv)
+    assert flags == {"cp_algo": "ring", "cp_window": 2, "cp_mask_type": "causal", "cp_ulysses_degree": 2}
+    assert rest == ["train.py", "--lr", "1", "--", "--cp-window-size", "4"]
+    config = load_config({}, cp_flags=flags)
+    assert (config.cp_algorithm, config.cp_window, config.cp_ulysses_degree) == ("ring", 2, 2)
+
+
+def test_cp_flag_disagreeing_with_its_variable_is_an_error():
+    flags, _ = extract_cp_flags(["--context-parallel-algo", "ulysses_cp_algo"])
+    error = error_of({"COC_CP_ALGO": "ring"}, cp_flags=flags)
+    assert "--context-parallel-algo ulysses disagrees with COC_CP_ALGO=ring" in str(error)
+    assert load_config({"COC_CP_ALGO": "ulysses"}, cp_flags=flags).cp_algorithm == "ulysses"
+    with pytest.raises(ConfigError, match="--cp-window-size"):
+        extract_cp_flags(["--cp-window-size", "x"])
+
+
+def test_cp_settings_enter_the_fingerprint_only_when_cp_is_on():
+    base = load_config({"COC_PARALLEL_NUM": "4"})
+    assert base.fingerprint() != load_config({"COC_PARALLEL_NUM": "4", "COC_CP_ALGO": "ring"}).fingerprint()
+    ring = load_config({"COC_CP_ALGO": "ring"})
+    assert ring.fingerprint() != load_config({"COC_CP_ALGO": "ring", "COC_CP_WINDOW": "2"}).fingerprint()
+    assert load_config({}).fingerprint() == CocConfig().fingerprint()

@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 AGREEMENT_TIMEOUT = datetime.timedelta(seconds=60)
 
-_agreed_groups: set = set()
+# id -> the group itself: holding it keeps its id from being reused by a later group (a test
+# or a job that destroys and re-creates its groups), which would skip that group's check.
+_agreed_groups: dict = {}
 
 
 class ConfigMismatchError(RuntimeError):
@@ -24,8 +26,7 @@ class ConfigMismatchError(RuntimeError):
 
 def ensure_same_config(group, fingerprint: int, device: torch.device, describe: str) -> None:
     """Raise :class:`ConfigMismatchError` unless every rank of ``group`` has ``fingerprint``."""
-    key = id(group)
-    if key in _agreed_groups:
+    if _agreed_groups.get(id(group)) is group:
         return
     size = group.size()
     mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
@@ -36,7 +37,7 @@ def ensure_same_config(group, fingerprint: int, device: torch.device, describe: 
     except RuntimeError as error:
         raise ConfigMismatchError(
             f"CoC configuration check timed out after {AGREEMENT_TIMEOUT.seconds}s on a "
-            f"tensor-parallel group of {size} ranks: is coc-inject enabled on every rank "
+            f"process group of {size} ranks: is coc-inject enabled on every rank "
             f"(same COC_* environment on every node)? ({error})"
         ) from error
     values = everyone.tolist()
@@ -44,11 +45,11 @@ def ensure_same_config(group, fingerprint: int, device: torch.device, describe: 
         ranks = [dist.get_global_rank(group, r) for r in range(size)]
         table = ", ".join(f"rank {rank}: {value:#x}" for rank, value in zip(ranks, values))
         raise ConfigMismatchError(
-            "CoC configuration differs across the ranks of one tensor-parallel group "
+            "CoC configuration differs across the ranks of one process group "
             f"({table}). Every rank must see the same COC_* environment / COC_CONFIG file. "
             f"This rank: {describe}"
         )
-    _agreed_groups.add(key)
+    _agreed_groups[id(group)] = group
 
 
 def forget() -> None:
