@@ -1,0 +1,237 @@
+"""Megatron's local ``DotProductAttention`` with context parallelism: construction and forward.
+
+Megatron's own ``__init__`` asserts ``context_parallel_size == 1``. The wrapped one decides the
+layer's algorithm and checks everything the context-parallel path cannot do exactly (a clear
+error naming the feature, never Megatron's bare assertion), then runs Megatron's ``__init__`` on
+a copy of the config that says CP = 1 and puts the real config back: every other attribute is
+Megatron's. The wrapped forward runs ``function.ContextParallelAttention`` over the CP group on
+q/k/v in Megatron's CP layout and returns ``[s, b, heads * d]`` as Megatron's does.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+
+from coc_inject.context_parallel import groups as cp_groups
+from coc_inject.context_parallel import layout
+from coc_inject.context_parallel.function import ContextParallelAttention
+from coc_inject.context_parallel.schedule import ALGORITHMS, ALLGATHER, HYBRID, RING, ULYSSES, make_schedule
+
+# Megatron's cp_comm_type values (TransformerConfig, per layer) -> algorithm.
+CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID, "all_gather": ALLGATHER,
+                 "allgather": ALLGATHER}
+FOLLOW_MEGATRON = "megatron"
+
+
+class ContextParallelError(ValueError):
+    """A configuration or call the context-parallel attention cannot run exactly."""
+
+
+@dataclass
+class LayerCP:
+    """One layer's context-parallel plan, decided at construction."""
+
+    algorithm: str
+    cp_size: int
+    cp_group: object
+    window: int
+    ulysses_degree: int
+    kv_repeats: int  # K/V groups repeated so that the Ulysses all-to-all can split them
+    mask_type: str | None  # COC_CP_MASK_TYPE
+    ulysses_group: object = None  # the all-to-all group (ulysses, hybrid)
+    scale: float = 0.0  # set once Megatron's __init__ has computed it
+    schedules: dict = field(default_factory=dict)  # causal -> Schedule
+    checked_masks: dict = field(default_factory=dict)  # mask identity -> causal
+
+    def describe(self) -> str:
+        if self.algorithm == RING and self.window > 1:
+            return f"double-ring w={self.window}"
+        if self.algorithm == HYBRID:
+            return f"hybrid u={self.ulysses_degree}" + (f" w={self.window}" if self.window > 1 else "")
+        return self.algorithm
+
+
+def _cp_comm_type(value, layer_number: int):
+    if isinstance(value, (list, tuple)):
+        return value[layer_number - 1] if 0 < layer_number <= len(value) else None
+    return value
+
+
+def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, attention_dropout, cp_group,
+               ulysses_group_of) -> LayerCP:
+    """Decide the algorithm and check what it needs; ContextParallelError names what cannot run."""
+    n = megatron_config.context_parallel_size
+    where = f"context parallelism (CP={n}) on Megatron's local DotProductAttention"
+    comm_type = _cp_comm_type(cp_comm_type, layer_number)
+    if coc_config.cp_algorithm == FOLLOW_MEGATRON:
+        if comm_type not in CP_COMM_TYPES:
+            raise ContextParallelError(f"{where}: cp_comm_type={comm_type!r} of layer {layer_number} is not "
+                                       f"supported; expected one of {sorted(k for k in CP_COMM_TYPES if k)}")
+        algorithm = CP_COMM_TYPES[comm_type]
+    else:
+        algorithm = coc_config.cp_algorithm
+    assert algorithm in ALGORITHMS, algorithm
+    dropout = megatron_config.attention_dropout if attention_dropout is None else attention_dropout
+    unsupported = {
+        f"attention dropout {dropout} (set attention_dropout=0)": dropout and dropout > 0,
+        f"sliding-window attention (window_size={getattr(megatron_config, 'window_size', None)})":
+            getattr(megatron_config, "window_size", None) is not None,
+        f"softmax_type={getattr(megatron_config, 'softmax_type', 'vanilla')!r} (only 'vanilla')":
+            getattr(megatron_config, "softmax_type", "vanilla") != "vanilla",
+    }
+    for feature, present in unsupported.items():
+        if present:
+            raise ContextParallelError(f"{where} does not support {feature}")
+    if cp_group is None or cp_group.size() != n:
+        raise ContextParallelError(f"{where}: Megatron's context-parallel group is missing or not of size {n} "
+                                   "(was initialize_model_parallel called with context_parallel_size?)")
+
+    degree = 1
+    if algorithm == ULYSSES:
+        degree = n
+    elif algorithm == HYBRID:
+        degree = _hybrid_degree(coc_config, megatron_config, where)
+    elif coc_config.cp_ulysses_degree is not None and coc_config.cp_algorithm != FOLLOW_MEGATRON:
+        raise ContextParallelError(f"{where}: COC_CP_ULYSSES_DEGREE={coc_config.cp_ulysses_degree} is for "
+                                   f"hybrid; the algorithm is {algorithm}")
+    window = coc_config.cp_window
+    ring_size = n // degree
+    if window > 1 and (algorithm in (ULYSSES, ALLGATHER) or window >= ring_size or ring_size % window):
+        raise ContextParallelError(
+            f"{where}: COC_CP_WINDOW={window} (--cp-window-size) does not fit the {algorithm} schedule: a window "
+            f"needs a ring (ring or hybrid) of more than w ranks that w divides (ring size here: {ring_size})")
+
+    tp = megatron_config.tensor_model_parallel_size
+    heads, groups = megatron_config.num_attention_heads, megatron_config.num_query_groups or \
+        megatron_config.num_attention_heads
+    kv_repeats = 1
+    if degree > 1:
+        heads_local, groups_local = heads // tp, groups // tp
+        kv_repeats = next((r for r in range(1, heads_local // groups_local + 1)
+                           if (groups_local * r) % degree == 0 and heads_local % (groups_local * r) == 0), None)
+        if heads_local % degree or kv_repeats is None:
+            raise ContextParallelError(
+                f"{where}: {algorithm} splits the heads of each tensor-parallel rank over {degree} ranks, but "
+                f"num_attention_heads={heads}, num_query_groups={groups} with TP={tp} leave {heads_local} heads "
+                f"and {groups_local} key/value groups per rank; the heads per rank must divide by {degree} "
+                "(choose ring or allgather, or another CP size)")
+    ulysses_group = None
+    if algorithm == HYBRID:
+        ulysses_group = ulysses_group_of(degree)
+        if ulysses_group is None:
+            raise ContextParallelError(
+                f"{where}: hybrid's Ulysses groups of {degree} ranks do not exist; coc-inject makes them when "
+                "initialize_model_parallel runs (was it called before Megatron was imported with coc-inject "
+                "armed?), or set hierarchical_context_parallel_sizes")
+    elif algorithm == ULYSSES:
+        ulysses_group = cp_group
+    return LayerCP(algorithm, n, cp_group, window, degree, kv_repeats, coc_config.cp_mask_type, ulysses_group)
+
+
+def _hybrid_degree(coc_config, megatron_config, where) -> int:
+    n = megatron_config.context_parallel_size
+    hierarchical = list(getattr(megatron_config, "hierarchical_context_parallel_sizes", None) or [])
+    from_megatron = hierarchical[0] if len(hierarchical) == 2 else None
+    degree = coc_config.cp_ulysses_degree or from_megatron
+    if degree is None:
+        raise ContextParallelError(f"{where}: hybrid needs its Ulysses group size: set COC_CP_ULYSSES_DEGREE "
+                                   "(--ulysses-degree-in-cp) or hierarchical_context_parallel_sizes=[u, CP/u]")
+    if from_megatron is not None and coc_config.cp_ulysses_degree not in (None, from_megatron):
+        raise ContextParallelError(f"{where}: COC_CP_ULYSSES_DEGREE={coc_config.cp_ulysses_degree} disagrees with "
+                                   f"hierarchical_context_parallel_sizes={hierarchical}")
+    if not (1 < degree < n and n % degree == 0):
+        raise ContextParallelError(f"{where}: hybrid's Ulysses degree {degree} must be > 1, < CP={n} and divide "
+                                   "it (COC_CP_ULYSSES_DEGREE / --ulysses-degree-in-cp)")
+    return degree
+
+
+def is_causal(plan: LayerCP, layer_mask_type, attention_mask, q_ids, chunk_len: int) -> bool:
+    """Causal or no mask, as Megatron's local attention would apply it; any other mask is an error.
+
+    A mask tensor decides when given (Megatron's softmax uses it whatever the mask type); without
+    one the layer's mask type does (COC_CP_MASK_TYPE=general: no mask).
+    """
+    name = getattr(layer_mask_type, "name", str(layer_mask_type))
+    if plan.mask_type == "causal" and name != "causal":
+        raise ContextParallelError(f"--attention-mask-type causal / COC_CP_MASK_TYPE=causal disagrees with the "
+                                   f"layer's mask type {name}")
+    if name not in ("causal", "no_mask", "padding"):
+        raise ContextParallelError(f"context parallelism on the local attention supports causal and no-mask "
+                                   f"attention, not the mask type {name}")
+    if attention_mask is not None:
+        return _mask_is_causal(plan, attention_mask, q_ids, chunk_len)
+    return name == "causal" and plan.mask_type != "general"
+
+
+def _mask_is_causal(plan: LayerCP, mask, q_ids, chunk_len: int) -> bool:
+    """True for a causal mask, False for one that hides nothing; rows ``[b|1, 1, s/CP, s]`` (this rank's,
+    Megatron's CP split) or ``[b|1, 1, s, s]``. Checked once per mask tensor."""
+    key = (mask.data_ptr(), tuple(mask.shape), mask._version)
+    if key in plan.checked_masks:
+        return plan.checked_masks[key]
+    rows, cols = mask.shape[-2:]
+    seq = chunk_len * 2 * plan.cp_size
+    if mask.dim() != 4 or mask.shape[1] != 1 or cols != seq or rows not in (seq, len(q_ids) * chunk_len):
+        raise ContextParallelError(f"attention mask of shape {list(mask.shape)}: context parallelism expects "
+                                   f"[b|1, 1, {len(q_ids) * chunk_len}, {seq}] (this rank's rows, Megatron's CP "
+                                   f"split) or [b|1, 1, {seq}, {seq}]")
+    hidden = mask.bool()
+    if not hidden.any():
+        causal = False
+    else:
+        positions = range(seq) if rows == seq else layout.global_positions(q_ids, chunk_len)
+        q_pos = torch.tensor(positions, device=mask.device)
+        if not torch.equal(hidden, (torch.arange(seq, device=mask.device)[None, :] > q_pos[:, None]).expand_as(hidden)):
+            raise ContextParallelError(
+                "the attention mask is neither causal nor empty: context parallelism on the local attention "
+                "supports causal and no-mask attention only (padding or document masks: Transformer Engine)")
+        causal = True
+    if len(plan.checked_masks) > 64:
+        plan.checked_masks.clear()
+    plan.checked_masks[key] = causal
+    return causal
+
+
+def schedule_for(plan: LayerCP, causal: bool):
+    schedule = plan.schedules.get(causal)
+    if schedule is None:
+        schedule = plan.schedules[causal] = make_schedule(
+            plan.algorithm, plan.cp_group, causal=causal, scale=plan.scale, window=plan.window,
+            ulysses_group=plan.ulysses_group, ulysses_size=plan.ulysses_degree)
+    return schedule
+
+
+def forward(plan: LayerCP, query, key, value, attention_mask, mask_type):
+    """[s, b, heads, d] q and [s, b, groups, d] k/v (this rank's rows) -> [s, b, heads * d]."""
+    s, b, heads, d = query.shape
+    if s % 2:
+        raise ContextParallelError(f"context parallelism needs the sequence in 2*CP chunks (Megatron's "
+                                   f"get_batch_on_this_cp_rank); this rank holds {s} rows, an odd number")
+    rank = plan.cp_group.rank()
+    causal = is_causal(plan, mask_type, attention_mask, layout.rank_chunks(rank, plan.cp_size), s // 2)
+    if plan.kv_repeats > 1:
+        key = key.repeat_interleave(plan.kv_repeats, dim=2)
+        value = value.repeat_interleave(plan.kv_repeats, dim=2)
+    out = ContextParallelAttention.apply(query, key, value, schedule_for(plan, causal))
+    return out.reshape(s, b, heads * d)
+
+
+def init_signature(original_init):
+    return inspect.signature(original_init)
+
+
+def megatron_init(original_init, signature, layer, args, kwargs):
+    """Run Megatron's __init__ with a CP=1 copy of the config; returns the bound arguments."""
+    bound = signature.bind(layer, *args, **kwargs)
+    config = bound.arguments["config"]
+    proxy = copy.copy(config)
+    proxy.context_parallel_size = 1
+    bound.arguments["config"] = proxy
+    original_init(*bound.args, **bound.kwargs)
+    layer.config = config
+    bound.arguments["config"] = config
+    return bound.arguments

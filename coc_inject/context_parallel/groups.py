@@ -1,0 +1,41 @@
+"""Hybrid's Ulysses groups: made where every rank passes, never inside a forward.
+
+``new_group`` is collective over the whole world, so a group made lazily in a forward that
+pipeline stages reach at different times would hang. When Megatron's
+``hierarchical_context_parallel_sizes`` gives them, its own level-1 groups are used; otherwise
+they are made right after ``initialize_model_parallel`` (install.py wraps it), for every
+context-parallel group of the job, in the same order on every rank: consecutive CP ranks, as
+Megatron's hierarchical groups are.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+_made: dict = {}  # Ulysses degree -> this rank's group
+
+
+def make_ulysses_groups(degree: int, cp_global_ranks) -> None:
+    """Collective over the world: every rank passes its CP group's global ranks."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(cp_global_ranks))
+    me = dist.get_rank()
+    for ranks in sorted({tuple(r) for r in everyone}):
+        for start in range(0, len(ranks), degree):
+            members = list(ranks[start:start + degree])
+            group = dist.new_group(members)
+            if me in members:
+                _made[degree] = group
+
+
+def ulysses_group(degree: int, megatron_config, parallel_state):
+    """This rank's Ulysses group of ``degree`` consecutive CP ranks, or None where none was made."""
+    if list(getattr(megatron_config, "hierarchical_context_parallel_sizes", None) or [])[:1] == [degree]:
+        groups = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        if groups:
+            return groups[0]
+    return _made.get(degree)
+
+
+def forget() -> None:
+    _made.clear()

@@ -1,0 +1,179 @@
+"""install() / uninstall() of context parallelism on Megatron's local ``DotProductAttention``, and
+the two post-import hooks that do it (registered by bootstrap).
+
+* ``megatron.core.transformer.dot_product_attention``: ``__init__`` and ``forward`` of the exact
+  class ``DotProductAttention`` are replaced (a subclass with its own ``__init__``/``forward`` keeps
+  them); a layer built with CP = 1 runs Megatron's code unchanged.
+* ``megatron.core.parallel_state``: ``initialize_model_parallel`` also makes hybrid's Ulysses
+  groups (groups.py), where every rank passes; ``destroy_model_parallel`` forgets them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from coc_inject import job, log, megatron_version
+from coc_inject.context_parallel import attention, groups
+
+ATTENTION_MODULE = "megatron.core.transformer.dot_product_attention"
+PARALLEL_STATE_MODULE = "megatron.core.parallel_state"
+ROUTE = "context-parallel"
+
+_originals: dict = {}  # (owner, attribute name) -> original
+_state = {"config": None, "coverage": None}
+
+
+def _patch(owner, name, replacement) -> None:
+    _originals[(owner, name)] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, replacement)
+
+
+def is_installed() -> bool:
+    return bool(_originals)
+
+
+def install(config, attention_module=None, parallel_state=None, coverage=None) -> None:
+    """Patch the attention class (and, when given, parallel_state) for ``config``. Idempotent."""
+    uninstall()
+    _state.update(config=config, coverage=coverage)
+    if parallel_state is not None:
+        _patch_parallel_state(parallel_state)
+    if attention_module is not None:
+        _patch_attention(attention_module.DotProductAttention, config)
+
+
+def uninstall() -> None:
+    from coc_inject.pipeline import agreement
+
+    agreement.forget()  # a re-install with other settings agrees afresh
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
+    _state.update(config=None, coverage=None)  # Ulysses groups live until destroy_model_parallel
+
+
+def _patch_attention(cls, config) -> None:
+    original_init, original_forward = cls.__dict__["__init__"], cls.__dict__["forward"]
+    signature = attention.init_signature(original_init)
+    from megatron.core import parallel_state
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        megatron_config = bound["config"]
+        if megatron_config.context_parallel_size == 1:
+            self._coc_cp = None
+            return original_init(self, *args, **kwargs)
+        pgs = bound.get("pg_collection") or bound.get("model_comm_pgs")
+        cp_group = getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group(check_initialized=False)
+        plan = attention.plan_layer(
+            config, megatron_config, bound["layer_number"], bound.get("cp_comm_type"),
+            bound.get("attention_dropout"), cp_group,
+            lambda degree: groups.ulysses_group(degree, megatron_config, parallel_state))
+        attention.megatron_init(original_init, signature, self, args, kwargs)
+        softmax_coefficient = getattr(self.scale_mask_softmax, "scale", None) or 1.0
+        plan.scale = self.softmax_scale * softmax_coefficient  # Megatron scales twice with layer scaling
+        self._coc_cp = plan
+
+    @functools.wraps(original_forward)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        plan = getattr(self, "_coc_cp", None)
+        if plan is None:
+            return original_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        for feature, given in (("packed sequences (packed_seq_params)", packed_seq_params),
+                               ("attention_bias", attention_bias)):
+            if given is not None:
+                raise attention.ContextParallelError(
+                    f"context parallelism on Megatron's local DotProductAttention does not support {feature}")
+        _agree(plan, query.device)
+        out = attention.forward(plan, query, key, value, attention_mask, attn_mask_type or self.attn_mask_type)
+        coverage = _state["coverage"]
+        if coverage is not None:
+            coverage.count_attention(self, plan.describe(), plan.cp_size)
+        return out
+
+    __init__.__coc_inject__ = forward.__coc_inject__ = True
+    _patch(cls, "__init__", __init__)
+    _patch(cls, "forward", forward)
+
+
+def _agree(plan, device) -> None:
+    """Every rank of the CP group runs the same settings (the first call on each group checks)."""
+    from coc_inject.pipeline import agreement
+
+    config = _state["config"]
+    agreement.ensure_same_config(plan.cp_group, config.fingerprint(), device,
+                                 f"COC_CP_ALGO -> {plan.describe()}, {config.describe()}")
+
+
+def _patch_parallel_state(parallel_state) -> None:
+    original_init, original_destroy = parallel_state.initialize_model_parallel, parallel_state.destroy_model_parallel
+
+    @functools.wraps(original_init)
+    def initialize_model_parallel(*args, **kwargs):
+        result = original_init(*args, **kwargs)
+        config = _state["config"]
+        degree = config.cp_ulysses_degree if config is not None else None
+        cp_size = parallel_state.get_context_parallel_world_size()
+        if degree is not None and 1 < degree < cp_size and cp_size % degree == 0:
+            groups.make_ulysses_groups(degree, parallel_state.get_context_parallel_global_ranks())
+        return result
+
+    @functools.wraps(original_destroy)
+    def destroy_model_parallel(*args, **kwargs):
+        groups.forget()
+        return original_destroy(*args, **kwargs)
+
+    _patch(parallel_state, "initialize_model_parallel", initialize_model_parallel)
+    _patch(parallel_state, "destroy_model_parallel", destroy_model_parallel)
+
+
+# -- the post-import hooks ----------------------------------------------------------------------
+
+
+def _wanted():
+    """The config when context parallelism is requested and this Megatron may be patched, else None."""
+    config = job.config()
+    if config.cp_algorithm is None:
+        return None
+    megatron = megatron_version.imported()
+    decision = megatron_version.support(megatron.version, config.allow_untested_megatron)
+    warning = megatron_version.support_warning(megatron, decision)
+    if warning is not None:
+        log.once(("megatron-support", warning), logging.WARNING, warning)
+    return config if decision in (megatron_version.TESTED, megatron_version.UNTESTED) else None
+
+
+def on_parallel_state_imported(module) -> None:
+    config = _wanted()
+    if config is not None:
+        _state["config"] = config
+        _patch_parallel_state(module)
+
+
+def on_attention_imported(module) -> None:
+    config = _wanted()
+    if config is None:
+        return
+    from coc_inject import patching
+
+    engine = patching.engine()
+    coverage = engine.coverage if engine is not None else patching.standalone_coverage(config)
+    _state.update(config=config, coverage=coverage)
+    _patch_attention(module.DotProductAttention, config)
+    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.DEBUG
+    log.logger.log(level, banner(config))
+
+
+def banner(config) -> str:
+    window = f", window {config.cp_window}" if config.cp_window > 1 else ""
+    degree = f", Ulysses degree {config.cp_ulysses_degree}" if config.cp_ulysses_degree else ""
+    algorithm = ("each layer's cp_comm_type (p2p = ring, a2a = ulysses, a2a+p2p = hybrid, all_gather)"
+                 if config.cp_algorithm == attention.FOLLOW_MEGATRON else config.cp_algorithm)
+    return (f"context parallelism installed on DotProductAttention: algorithm {algorithm}{window}{degree}; "
+            "the CP size is Megatron's context_parallel_size (each layer's algorithm and CP size: the first-step "
+            "summary)")

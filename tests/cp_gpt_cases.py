@@ -1,0 +1,211 @@
+"""A tiny Megatron-core GPT (local spec) trained for a few steps on every rank of a gloo pool, at
+CP=1 with Megatron's own attention or at CP>1 through coc-inject: what the CP tests compare.
+
+The training step is Megatron-LM's for CP: the batch is cut with Megatron's layout (2*CP chunks,
+rank r keeps r and 2*CP-1-r: tokens, labels, positions, the mask's rows), the loss is the sum of
+this rank's token losses over the global token count, and gradients are summed over the CP group
+(what Megatron's DDP does over its data-and-context-parallel group) and, for the replicated
+sequence-parallel parameters, over the TP group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from coc_inject.config import CocConfig
+from coc_inject.context_parallel import groups, install, layout
+
+SEED = 1234
+_parallel_state_key = None  # what initialize_model_parallel last ran with (making groups takes seconds)
+
+
+class CpuLayerNorm(torch.nn.LayerNorm):
+    """apex's FusedLayerNorm stand-in that flags its parameters for sequence parallelism (as the example)."""
+
+    def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+                 normalization="LayerNorm"):
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in (self.weight, self.bias):
+            param.sequence_parallel = config.sequence_parallel
+
+
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """Test-only shim: Megatron's get_pos_emb_on_this_cp_rank builds its index with pin_memory().cuda()."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank]))
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+
+def setup(tp: int, cp: int, coc: dict | None = None, hierarchical=None):
+    """Megatron's parallel state for TP x CP (the rest data-parallel), coc-inject's CP installed for ``coc``."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+    from megatron.core.transformer import dot_product_attention
+
+    from megatron.core.fusions import fused_softmax
+
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    # Test-only shim for the CP=1 reference: Megatron's default causal mask is made on "cuda".
+    fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    global _parallel_state_key
+    install.uninstall()
+    if coc is not None:
+        install.install(CocConfig(**coc), dot_product_attention, parallel_state)
+    key = (tp, cp, hierarchical, (coc or {}).get("cp_ulysses_degree"))
+    if key != _parallel_state_key:
+        parallel_state.destroy_model_parallel()
+        groups.forget()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                 hierarchical_context_parallel_sizes=hierarchical)
+        _parallel_state_key = key
+
+
+def build_gpt(tp, cp, *, heads=4, groups=None, hidden=64, layers=2, seq=64, vocab=128, rope=False, sp=False,
+              cp_comm_type=None, hierarchical=None, mask_type=None, **extra):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(SEED)
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    settings = dict(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+        ffn_hidden_size=4 * hidden, tensor_model_parallel_size=tp, context_parallel_size=cp,
+        pipeline_model_parallel_size=1, sequence_parallel=sp, params_dtype=torch.float32,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        **({"cp_comm_type": cp_comm_type} if cp_comm_type is not None else {}),
+        **({"hierarchical_context_parallel_sizes": hierarchical} if hierarchical else {}))
+    config = TransformerConfig(**{**settings, **extra})
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
+    if mask_type is not None:
+        from megatron.core.transformer.enums import AttnMaskType
+
+        spec.submodules.self_attention.params["attn_mask_type"] = getattr(AttnMaskType, mask_type)
+    block = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=CpuLayerNorm)
+    return GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
+                    share_embeddings_and_output_weights=True,
+                    position_embedding_type="rope" if rope else "learned_absolute")
+
+
+def batch(step, b, seq, vocab):
+    generator = torch.Generator().manual_seed(SEED + step)
+    tokens = torch.randint(vocab, (b, seq + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def cp_slice(tensor, dim, cp, cp_rank):
+    """Megatron's get_batch_on_this_cp_rank layout along ``dim``."""
+    chunk = tensor.shape[dim] // (2 * cp)
+    rows = layout.global_positions(layout.rank_chunks(cp_rank, cp), chunk)
+    return tensor.index_select(dim, torch.tensor(rows))
+
+
+def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_twice=False, **model_kwargs):
+    """Losses per step and this rank's parameters after ``steps`` SGD steps.
+
+    SGD, not Adam: Adam turns the rounding noise of a gradient that is zero in exact arithmetic
+    (the key part of the QKV bias: softmax ignores a shift shared by all keys) into full-size
+    updates, which would hide real gradient differences behind noise."""
+    from megatron.core import parallel_state
+
+    setup(tp, cp, coc, model_kwargs.get("hierarchical"))
+    model = build_gpt(tp, cp, seq=seq, vocab=vocab, **model_kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    cp_group, tp_group = parallel_state.get_context_parallel_group(), parallel_state.get_tensor_model_parallel_group()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    losses = []
+    for step in range(steps):
+        tokens, labels = batch(step, b, seq, vocab)
+        positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
+        attention_mask = {"full": causal, "none": None}[mask]
+        if cp > 1:
+            tokens, labels, positions = (cp_slice(t, 1, cp, cp_rank) for t in (tokens, labels, positions))
+            attention_mask = None if attention_mask is None else cp_slice(attention_mask, 2, cp, cp_rank)
+        optimizer.zero_grad(set_to_none=True)
+        per_token = model(tokens, positions, attention_mask, labels=labels)
+        loss = per_token.sum() / (b * seq)
+        if call_twice:  # the same layers run a second time in this step
+            loss = loss + model(tokens, positions, attention_mask, labels=labels).sum() / (b * seq)
+        loss.backward()
+        for param in model.parameters():
+            if param.grad is None:
+                continue
+            if cp > 1:
+                dist.all_reduce(param.grad, group=cp_group)
+            if getattr(param, "sequence_parallel", False):
+                dist.all_reduce(param.grad, group=tp_group)
+        optimizer.step()
+        total = loss.detach().clone()
+        if cp > 1:
+            dist.all_reduce(total, group=cp_group)
+        losses.append(total.item())
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    algorithms = sorted({m._coc_cp.describe() for m in model.modules() if getattr(m, "_coc_cp", None)})
+    return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "algorithms": algorithms}
+
+
+def saved_attention_bytes(tp, cp, coc=None, seq=256, b=1, heads=4, dim=16):
+    """Bytes the attention core keeps for backward on this rank (saved_tensors_hooks) for one call."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    setup(tp, cp, coc)
+    model = build_gpt(tp, cp, heads=heads, hidden=heads * dim, layers=1, seq=seq)
+    layer = next(m for m in model.modules() if isinstance(m, DotProductAttention))
+    local = seq // cp
+    generator = torch.Generator().manual_seed(SEED)
+    q, k, v = (torch.randn(local, b, heads // tp, dim, generator=generator, requires_grad=True) for _ in range(3))
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    if cp > 1:
+        mask = cp_slice(mask, 2, cp, parallel_state.get_context_parallel_rank())
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
+    out.sum().backward()  # it must still run backward
+    return sum(saved.values())
+
+
+def expect_error(tp, cp, coc, what="build", **model_kwargs):
+    """The message of the error a CP setup raises at construction (``build``) or at the first call."""
+    try:
+        if what == "build":
+            setup(tp, cp, coc, model_kwargs.get("hierarchical"))
+            build_gpt(tp, cp, **model_kwargs)
+        else:
+            train(tp, cp, coc, steps=1, **model_kwargs)
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def attention_call_error(tp, cp, coc, **call):
+    """The error of one attention call with ``call`` overrides (packed_seq_params, attention_bias, mask, rows)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    setup(tp, cp, coc)
+    model = build_gpt(tp, cp, layers=1)
+    layer = next(m for m in model.modules() if isinstance(m, DotProductAttention))
+    rows = call.pop("rows", 32)
+    q = k = v = torch.randn(rows, 1, 4, 16)
+    mask = call.pop("mask", None)
+    try:
+        layer(q, k, v, mask, **call)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
+    return None

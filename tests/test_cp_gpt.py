@@ -1,0 +1,151 @@
+"""Context parallelism on a real megatron-core GPT (local spec), 4 gloo ranks: each algorithm against
+the same model at CP=1 with Megatron's own attention -- losses and parameters after SGD steps within
+1e-5 relative; memory kept for backward; errors for what cannot run exactly."""
+
+import os
+
+import pytest
+
+from tests.dist_harness import RankPool
+
+# The heavy set on the newest release; COC_CP_TESTS=quick (make test on older releases) keeps CP=2.
+QUICK = os.environ.get("COC_CP_TESTS") == "quick"
+full_only = pytest.mark.skipif(QUICK, reason="CP=4 / TP x CP cases run on the newest megatron-core only")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+_references: dict = {}
+
+
+def reference(pool, tp, **kwargs):
+    key = (tp, repr(sorted(kwargs.items())))
+    if key not in _references:
+        _references[key] = pool.run("tests.cp_gpt_cases:train", tp=tp, cp=1, **kwargs)
+    return _references[key]
+
+
+def assert_same_training(got, want):
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert g["tp_rank"] == w["tp_rank"]
+        for step, (a, b) in enumerate(zip(g["losses"], w["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs {b} at CP=1"
+        for name, value in w["params"].items():
+            diff = (g["params"][name] - value).abs().max().item()
+            scale = value.abs().max().item()
+            assert diff <= 1e-5 * scale, f"rank {rank} {name}: max diff {diff} vs max |param| {scale}"
+
+
+def run(pool, tp, cp, coc, want_algorithms, **kwargs):
+    got = pool.run("tests.cp_gpt_cases:train", tp=tp, cp=cp, coc=coc, **kwargs)
+    assert all(r["algorithms"] == want_algorithms for r in got), [r["algorithms"] for r in got]
+    assert_same_training(got, reference(pool, tp, **kwargs))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses", "allgather"])
+def test_cp2_equals_cp1(pool, algorithm):
+    run(pool, 1, 2, {"cp_algo": algorithm}, [algorithm])
+
+
+@full_only
+@pytest.mark.parametrize("coc,want", [
+    ({"cp_algo": "ring"}, ["ring"]),
+    ({"cp_algo": "ring", "cp_window": 2}, ["double-ring w=2"]),
+    ({"cp_algo": "hybrid", "cp_ulysses_degree": 2}, ["hybrid u=2"]),
+], ids=["ring", "double-ring", "hybrid"])
+def test_cp4_equals_cp1(pool, coc, want):
+    run(pool, 1, 4, coc, want, seq=128)
+
+
+@full_only
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+def test_tp2_cp2_sequence_parallel_gqa(pool, algorithm):
+    run(pool, 2, 2, {"cp_algo": algorithm}, [algorithm], heads=8, groups=2, sp=True)
+
+
+@full_only
+def test_rope(pool):
+    run(pool, 1, 2, {"cp_algo": "ring"}, ["ring"], rope=True)
+
+
+@full_only
+@pytest.mark.parametrize("cp_comm_type,want", [
+    ("a2a", ["ulysses"]), ("all_gather", ["allgather"]), (["p2p", "a2a"], ["ring", "ulysses"])])
+def test_megatron_follows_cp_comm_type(pool, cp_comm_type, want):
+    run(pool, 1, 2, {"cp_algo": "megatron"}, want, cp_comm_type=cp_comm_type)
+
+
+@full_only
+def test_layer_called_twice_in_a_step(pool):
+    run(pool, 1, 2, {"cp_algo": "ring"}, ["ring"], call_twice=True)
+
+
+@full_only
+@pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
+def test_no_mask(pool, algorithm):
+    run(pool, 1, 2, {"cp_algo": algorithm}, [algorithm], mask="none", mask_type="no_mask")
+
+
+def test_causal_mask_type_without_a_mask_tensor(pool):
+    run(pool, 1, 2, {"cp_algo": "ring"}, ["ring"], mask="none")
+
+
+@full_only
+def test_saved_memory_is_linear_in_the_sequence_and_a_fraction_of_cp1(pool):
+    megatron = pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=1, seq=256)[0]
+    for algorithm in ("ring", "ulysses", "allgather"):
+        coc = {"cp_algo": algorithm}
+        short = max(pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc=coc, seq=128))
+        long = max(pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc=coc, seq=256))
+        assert long <= 2.5 * short, (algorithm, short, long)
+        assert long <= 0.25 * megatron, (algorithm, long, megatron)
+
+
+def error_of(pool, **kwargs):
+    errors = pool.run("tests.cp_gpt_cases:expect_error", **kwargs)
+    assert errors[0] is not None and len(set(errors)) == 1, errors
+    return errors[0]
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(attention_dropout=0.1), "attention dropout 0.1"),
+    (dict(heads=2, groups=2, coc={"cp_algo": "ulysses"}, cp=4), "num_attention_heads=2"),
+    (dict(coc={"cp_algo": "hybrid"}, cp=4), "COC_CP_ULYSSES_DEGREE"),
+    (dict(coc={"cp_algo": "ring", "cp_window": 3}, cp=4), "COC_CP_WINDOW=3"),
+    (dict(coc={"cp_algo": "megatron"}, cp_comm_type="fancy"), "cp_comm_type='fancy'"),
+], ids=["dropout", "ulysses-heads", "hybrid-degree", "window", "cp_comm_type"])
+def test_construction_errors_name_the_feature(pool, kwargs, needle):
+    kwargs = {"tp": 1, "cp": 2, "coc": {"cp_algo": "ring"}, **kwargs}
+    message = error_of(pool, **kwargs)
+    assert "ContextParallelError" in message and needle in message, message
+
+
+@pytest.mark.parametrize("call,needle", [
+    (dict(packed_seq_params=object()), "packed sequences"),
+    (dict(attention_bias=object()), "attention_bias"),
+    (dict(rows=31), "odd number"),
+], ids=["packed", "bias", "odd-rows"])
+def test_call_errors_name_the_feature(pool, call, needle):
+    errors = pool.run("tests.cp_gpt_cases:attention_call_error", tp=1, cp=2, coc={"cp_algo": "ring"}, **call)
+    assert all(e is not None and needle in e for e in errors), errors
+
+
+def test_a_mask_that_is_not_causal_is_refused(pool):
+    import torch
+
+    mask = torch.zeros(1, 1, 32, 64, dtype=torch.bool)
+    mask[..., -1] = True  # a padded last key
+    errors = pool.run("tests.cp_gpt_cases:attention_call_error", tp=1, cp=2, coc={"cp_algo": "ring"}, mask=mask)
+    assert all(e is not None and "neither causal nor empty" in e for e in errors), errors
+
+
+def test_ranks_with_different_algorithms_fail_alike(pool):
+    coc = [{"cp_algo": "ring"}, {"cp_algo": "ulysses"}, {"cp_algo": "ring"}, {"cp_algo": "ulysses"}]
+    errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error",
+                               [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
+    assert all(e is not None and "differs across the ranks" in e for e in errors), errors
