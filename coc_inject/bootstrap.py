@@ -16,10 +16,18 @@ import sys
 
 HOOK = "coc_inject.patching:on_layers_imported"
 TARGET = "megatron.core.tensor_parallel.layers"
+# Context parallelism: the local attention, and where the process groups are made.
+CP_HOOKS = (
+    ("coc_inject.context_parallel.install:on_attention_imported", "megatron.core.transformer.dot_product_attention"),
+    ("coc_inject.context_parallel.install:on_parallel_state_imported", "megatron.core.parallel_state"),
+)
 TRIGGER = "megatron"
 # MindSpeed's command-line switches. The config rejects the last two without the first;
 # they count as a request here so that it is the config that says so.
-ARGV_FLAGS = ("--use-ascend-coc", "--coc-fused-kernel", "--coc-parallel-num")
+ARGV_FLAGS = ("--use-ascend-coc", "--coc-fused-kernel", "--coc-parallel-num",
+              # context parallelism (the config says when one is given without an algorithm)
+              "--context-parallel-algo", "--cp-window-size", "--ulysses-degree-in-cp", "--attention-mask-type")
+CP_VARIABLES = ("COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE", "COC_CP_MASK_TYPE")
 
 _TRUE_WORDS = frozenset(("1", "true", "yes", "on"))
 _FALSE_WORDS = frozenset(("0", "false", "no", "off"))
@@ -58,7 +66,7 @@ def requested(environ=None, argv=None) -> bool:
     if fused and fused.lower() not in _FALSE_WORDS:
         return True
 
-    for name in ("COC_CUSTOMIZED", "COC_CONFIG"):
+    for name in ("COC_CUSTOMIZED", "COC_CONFIG") + CP_VARIABLES:
         if _word(environ, name):
             return True
 
@@ -113,9 +121,11 @@ def _register():
         )
         return
     _hook_registered = True
-    # If the layers module is already imported, wrapt runs the hook right here; a
+    # If a hooked module is already imported, wrapt runs its hook right here; a
     # configuration error it raises must propagate (it stops the job on purpose).
     register(HOOK, TARGET)
+    for hook, target in CP_HOOKS:
+        register(hook, target)
 
 
 def start():

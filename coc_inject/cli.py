@@ -197,11 +197,12 @@ def report_table(reports: list) -> str:
         head = (f"{path}: rank {report.get('rank')}/{report.get('world_size')}, megatron-core "
                 f"{report.get('megatron_core')}, mode {report.get('config', {}).get('mode')}; calls: "
                 + ", ".join(f"{route} {n}" for route, n in calls.items()))
-        rows = [("layer", "class", "[m, k, n]", "route", "chunks", "calls", "backend / reason")]
+        rows = [("layer", "class", "[m, k, n]", "route", "chunks", "calls", "backend / reason / CP algorithm")]
         for layer in report.get("layers", []):
             rows.append((layer["name"], layer["class"], str(layer["shape"]), layer["route"],
                          "-" if layer["chunks"] is None else str(layer["chunks"]), str(layer["calls"]),
-                         layer["backend"] or layer["reason"] or ""))
+                         f"{layer['algorithm']}, CP={layer['cp_size']}" if "algorithm" in layer
+                         else layer["backend"] or layer["reason"] or ""))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         lines = [head] + ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]
                           for row in rows]

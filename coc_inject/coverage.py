@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from coc_inject import log, megatron_version
 
 CHUNKED, FUSED, MEGATRON = "chunked", "fused", "megatron"
+# An attention call run with context parallelism: key (CONTEXT_PARALLEL, cp size, algorithm, None).
+CONTEXT_PARALLEL = "context-parallel"
 # The start of the reason when COC_PARALLEL_NUM=auto measured Megatron's own path fastest: CoC
 # stepping aside on purpose is not a "CoC did nothing" problem.
 AUTO_CHOSE_MEGATRON = "auto chose Megatron's own path"
@@ -107,6 +109,13 @@ class Coverage:
         routes = record.routes
         routes[key] = routes.get(key, 0) + 1
 
+    def count_attention(self, layer, algorithm: str, cp_size: int) -> None:
+        record = self.records.get(id(layer))
+        if record is None or record.layer() is not layer:
+            record = self._new_record(layer, None, lambda layer, input_: [])
+        key = (CONTEXT_PARALLEL, cp_size, algorithm, None)
+        record.routes[key] = record.routes.get(key, 0) + 1
+
     def _new_record(self, layer, input_, shape_of) -> LayerRecord:
         record = LayerRecord(weakref.ref(layer), type(layer).__name__, list(shape_of(layer, input_)))
         previous = self.records.get(id(layer))
@@ -120,14 +129,26 @@ class Coverage:
 
     # -- totals ----------------------------------------------------------------------------
     def calls_by_route(self) -> dict:
-        totals = {CHUNKED: 0, FUSED: 0, MEGATRON: 0}
+        totals = {CHUNKED: 0, FUSED: 0, MEGATRON: 0, CONTEXT_PARALLEL: 0}
         for record in self.all_records():
             for (route, *_), calls in record.routes.items():
                 totals[route] += calls
         return totals
 
     def coc_layers(self) -> int:
-        return sum(1 for r in self.all_records() if any(key[0] != MEGATRON for key in r.routes))
+        return sum(1 for r in self.all_records() if any(key[0] in (CHUNKED, FUSED) for key in r.routes))
+
+    def attention_summary(self) -> str | None:
+        """"context parallelism on 2 attention layers (ring, CP=2): 4 calls", None without such calls."""
+        layers, calls, kinds = 0, 0, set()
+        for record in self.all_records():
+            mine = {key: n for key, n in record.routes.items() if key[0] == CONTEXT_PARALLEL}
+            layers += bool(mine)
+            calls += sum(mine.values())
+            kinds.update(f"{key[2]}, CP={key[1]}" for key in mine)
+        if not layers:
+            return None
+        return f"context parallelism on {layers} attention layers ({'; '.join(sorted(kinds))}): {calls} calls"
 
     # -- the model: names, foreign layers, replaced forwards -----------------------------------
     def inspect_model(self) -> None:
@@ -213,8 +234,12 @@ class Coverage:
         routes = [f"{totals[CHUNKED]} chunked ({_chunk_counts(self.all_records())})" if totals[CHUNKED] else None,
                   f"{totals[FUSED]} fused" if totals[FUSED] else None,
                   f"{totals[MEGATRON]} Megatron's own" if totals[MEGATRON] else None]
-        text = (f"first step: CoC on {self.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
-                + (", ".join(r for r in routes if r) or "none"))
+        attention = self.attention_summary()
+        if self.config.enabled:
+            text = (f"first step: CoC on {self.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
+                    + (", ".join(r for r in routes if r) or "none")) + (f"; {attention}" if attention else "")
+        else:
+            text = f"first step: {attention or 'no attention call ran with context parallelism'} (TP linears: CoC off)"
         reasons = {}
         for record in self.all_records():
             for (route, _, _, reason), calls in record.routes.items():
@@ -234,7 +259,10 @@ class Coverage:
         totals = self.calls_by_route()
         reasons = {key[3] for r in self.all_records() for key in r.routes if key[0] == MEGATRON}
         auto_stepped_aside = bool(reasons) and all(reason.startswith(AUTO_CHOSE_MEGATRON) for reason in reasons)
-        if totals[CHUNKED] + totals[FUSED] == 0 and not auto_stepped_aside:
+        if self.config.cp_algo is not None and not totals[CONTEXT_PARALLEL]:
+            lines.append(f"COC_CP_ALGO={self.config.cp_algo} but no attention call ran with context parallelism "
+                         "during the first step (context_parallel_size 1, or no local DotProductAttention)")
+        if self.config.enabled and totals[CHUNKED] + totals[FUSED] == 0 and not auto_stepped_aside:
             lines.append("CoC is on but no layer call went through it during the first step"
                          + (" (see the reasons above)" if totals[MEGATRON] else " (no patched layer was called)"))
         for name, origin in sorted(self.replaced.items()):
@@ -247,6 +275,11 @@ class Coverage:
         layers = []
         for record in self.all_records():
             for (route, chunks, backend, reason), calls in record.routes.items():
+                if route == CONTEXT_PARALLEL:
+                    layers.append({"name": record.name or record.cls, "class": record.cls, "shape": record.shape,
+                                   "route": route, "algorithm": backend, "cp_size": chunks, "chunks": None,
+                                   "backend": None, "reason": None, "calls": calls})
+                    continue
                 layers.append({
                     "name": record.name or f"{record.cls}[{record.shape[1]}x{record.shape[2]}]",
                     "class": record.cls, "shape": record.shape, "route": route, "chunks": chunks,

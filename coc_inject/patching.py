@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 
 from coc_inject import __version__, log, megatron_version
 
@@ -19,6 +18,7 @@ PATCHED = ("ColumnParallelLinear", "RowParallelLinear")
 
 _originals: dict = {}  # class -> original forward
 _engine = None
+_standalone_coverage = None  # the accounting of a job with only context parallelism on
 
 
 def _wrap(original, route):
@@ -74,9 +74,23 @@ def install(config=None, layers_module=None) -> bool:
     return True
 
 
+def standalone_coverage(config):
+    """The accounting when the linears are not patched (context parallelism only): armed once."""
+    global _standalone_coverage
+    from coc_inject.coverage import Coverage
+
+    if _standalone_coverage is None:
+        _standalone_coverage = Coverage(config, {})
+        _standalone_coverage.arm()
+    return _standalone_coverage
+
+
 def uninstall() -> None:
     """Restore Megatron's original forwards. Safe to call when nothing is installed."""
-    global _engine
+    global _engine, _standalone_coverage
+    if _standalone_coverage is not None:
+        _standalone_coverage.disarm()
+        _standalone_coverage = None
     from coc_inject.pipeline import agreement
 
     for cls, original in _originals.items():
@@ -112,24 +126,17 @@ def on_layers_imported(module) -> None:
     A configuration error is raised from here on purpose: it makes the Megatron import fail,
     so a training process stops before its first step with the message and a non-zero exit.
     """
-    from coc_inject.config import ConfigError, extract_mindspeed_flags, load_config
+    from coc_inject import job
 
-    try:
-        flags, remaining = _mindspeed_flags(extract_mindspeed_flags)
-        config = load_config(argv_flags=flags)
-    except ConfigError as error:
-        sys.stderr.write(f"[coc-inject] configuration error: {error}\n")
-        raise
-    sys.argv[:] = remaining
-    log.configure(config.log_level)
+    config = job.config()
     if not config.enabled:
         log.logger.debug("CoC is off (%s); Megatron layers left unpatched", config.describe())
         return
     megatron = megatron_version.imported()
     decision = megatron_version.support(megatron.version, config.allow_untested_megatron)
     warning = megatron_version.support_warning(megatron, decision)
-    if warning is not None:
-        log.logger.warning(warning)
+    if warning is not None:  # said once, also when the attention hook (context parallelism) decides
+        log.once(("megatron-support", warning), logging.WARNING, warning)
     if decision not in (megatron_version.TESTED, megatron_version.UNTESTED):
         return
     install(config, module)
@@ -137,11 +144,3 @@ def on_layers_imported(module) -> None:
     # Global rank 0 says it at info level; with COC_LOG_LEVEL=debug every rank does.
     log.logger.log(logging.INFO if rank == 0 else logging.DEBUG, banner(config, megatron.version))
 
-
-def _mindspeed_flags(extract):
-    """MindSpeed drop-in: honour and strip --use-ascend-coc & co. unless MindSpeed owns them."""
-    import importlib.util
-
-    if importlib.util.find_spec("mindspeed") is not None:
-        return None, list(sys.argv)
-    return extract(list(sys.argv))

@@ -165,15 +165,19 @@ def on_attention_imported(module) -> None:
     coverage = engine.coverage if engine is not None else patching.standalone_coverage(config)
     _state.update(config=config, coverage=coverage)
     _patch_attention(module.DotProductAttention, config)
+    from megatron.core import parallel_state
+
     level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.DEBUG
-    log.logger.log(level, banner(config))
+    initialized = parallel_state.model_parallel_is_initialized()
+    log.logger.log(level, banner(config, parallel_state.get_context_parallel_world_size() if initialized else None))
 
 
-def banner(config) -> str:
+def banner(config, cp_size: int | None) -> str:
     window = f", window {config.cp_window}" if config.cp_window > 1 else ""
     degree = f", Ulysses degree {config.cp_ulysses_degree}" if config.cp_ulysses_degree else ""
     algorithm = ("each layer's cp_comm_type (p2p = ring, a2a = ulysses, a2a+p2p = hybrid, all_gather)"
                  if config.cp_algorithm == attention.FOLLOW_MEGATRON else config.cp_algorithm)
-    return (f"context parallelism installed on DotProductAttention: algorithm {algorithm}{window}{degree}; "
-            "the CP size is Megatron's context_parallel_size (each layer's algorithm and CP size: the first-step "
-            "summary)")
+    size = f"CP size {cp_size}" if cp_size is not None else "CP size: Megatron's context_parallel_size"
+    return (f"context parallelism installed on DotProductAttention.__init__/forward: algorithm {algorithm}"
+            f"{window}{degree}, {size} (layers built with CP = 1 run Megatron's own attention; each layer's "
+            "algorithm: the first-step summary)")
