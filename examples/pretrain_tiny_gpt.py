@@ -3,8 +3,14 @@
     torchrun --nproc-per-node 2 examples/pretrain_tiny_gpt.py --steps 30 --json /tmp/run.json
 
 An ordinary (if small) Megatron-core training loop: ``GPTModel`` built from the local layer
-spec, tensor-parallel size = world size, sequence parallelism on (``--no-sequence-parallel``
-turns it off), pipeline parallelism 1, gloo on CPU. Each step draws a batch of synthetic
+spec, tensor-parallel size = world size / context-parallel size (``--context-parallel-size``,
+default 1), sequence parallelism on (``--no-sequence-parallel`` turns it off), pipeline
+parallelism 1, gloo on CPU. With context parallelism each rank keeps its share of the sequence
+the way Megatron-LM's training loop cuts it (``get_batch_on_this_cp_rank``: 2*CP chunks, CP rank r
+keeps r and 2*CP-1-r; the mask's rows too), its loss is the sum of its token losses over the
+global token count, and gradients are summed over the context-parallel group (what Megatron's
+DDP does over its data-and-context-parallel group). Megatron's local attention refuses CP by
+itself; something like coc-inject (``COC_CP_ALGO``) must provide it. Each step draws a batch of synthetic
 tokens from a fixed seed (the same batch on every tensor-parallel rank), takes the model's
 per-token cross-entropy (a masked mean), back-propagates, all-reduces the gradients of the
 sequence-parallel parameters over the tensor-parallel group (what Megatron's
@@ -73,6 +79,8 @@ def parse_args():
     parser.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
                         default="learned_absolute")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--num-query-groups", type=int, default=None)
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                         help="turn sequence parallelism off (it is on by default)")
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes losses and step times here")
@@ -84,6 +92,8 @@ def build_model(args, tp_size):
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        context_parallel_size=args.context_parallel_size,
         ffn_hidden_size=args.ffn_hidden_size,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=1,
@@ -136,16 +146,40 @@ def synthetic_batch(args, step):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), loss_mask
 
 
+def on_this_cp_rank(tensor, dim, cp_size, cp_rank):
+    """Megatron-LM's get_batch_on_this_cp_rank layout along ``dim`` (2*CP chunks; r and 2*CP-1-r)."""
+    if cp_size == 1:
+        return tensor
+    chunks = tensor.unflatten(dim, (2 * cp_size, -1))
+    kept = chunks.index_select(dim, torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank]))
+    return kept.flatten(dim, dim + 1)
+
+
+def cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """CPU shim 4: Megatron's rotary embedding under CP builds its index with pin_memory().cuda()."""
+    return on_this_cp_rank(pos_emb, seq_dim, cp_group.size(), cp_group.rank())
+
+
 def main():
     args = parse_args()
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size,
+    cp_size = args.context_parallel_size
+    if world_size % cp_size:
+        raise SystemExit(f"--context-parallel-size {cp_size} must divide the world size {world_size}")
+    tp_size = world_size // cp_size
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, context_parallel_size=cp_size,
                                              pipeline_model_parallel_size=1)
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    if args.sequence_parallel and args.seq_length % world_size:
-        raise SystemExit(f"--seq-length {args.seq_length} must be divisible by TP {world_size}")
+    cp_group, cp_rank = parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
+    if cp_size > 1:
+        from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = cpu_pos_emb_on_this_cp_rank
+    if args.seq_length % (2 * cp_size * (tp_size if args.sequence_parallel else 1)):
+        raise SystemExit(f"--seq-length {args.seq_length} must be divisible by 2 x CP {cp_size}"
+                         + (f" x TP {tp_size} (sequence parallel)" if args.sequence_parallel else ""))
 
     # Seeding: the same torch seed on every rank, so the CPU-initialised master weights (of which
     # each rank keeps its own shard) agree. Megatron's model_parallel_cuda_manual_seed seeds CUDA
@@ -157,7 +191,7 @@ def main():
     torch.manual_seed(args.seed)
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
-    model = build_model(args, world_size)
+    model = build_model(args, tp_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
 
@@ -167,7 +201,7 @@ def main():
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"tiny GPT: TP {world_size}, sequence parallel {args.sequence_parallel}, "
+        print(f"tiny GPT: TP {tp_size}, CP {cp_size}, sequence parallel {args.sequence_parallel}, "
               f"{args.num_layers} layers, hidden {args.hidden_size}, seq {s}, micro batch "
               f"{args.micro_batch_size}, vocab {args.vocab_size}, {n_params} parameters per rank",
               flush=True)
@@ -176,18 +210,29 @@ def main():
     run_start = time.perf_counter()
     for step in range(1, args.steps + 1):
         tokens, labels, loss_mask = synthetic_batch(args, step)
+        tokens_in_batch = loss_mask.sum()
+        tokens, labels, loss_mask, positions = (on_this_cp_rank(t, 1, cp_size, cp_rank)
+                                                for t in (tokens, labels, loss_mask, position_ids))
+        mask = on_this_cp_rank(attention_mask, 2, cp_size, cp_rank)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        per_token_loss = model(tokens, position_ids, attention_mask, labels=labels)  # [b, s]
-        loss = (per_token_loss * loss_mask).sum() / loss_mask.sum()
+        per_token_loss = model(tokens, positions, mask, labels=labels)  # [b, s / CP]
+        loss = (per_token_loss * loss_mask).sum() / tokens_in_batch
         loss.backward()
-        # Each rank holds the gradient of its own sequence shard for the replicated
-        # sequence-parallel parameters (layer norms): sum them over the tensor-parallel group.
+        # Each rank holds the gradient of its own sequence shard: sum over the context-parallel
+        # group for every parameter, and for the replicated sequence-parallel parameters (layer
+        # norms) over the tensor-parallel group too.
+        for param in model.parameters():
+            if param.grad is not None and cp_size > 1:
+                dist.all_reduce(param.grad, group=cp_group)
         for param in sp_params:
             if param.grad is not None:
                 dist.all_reduce(param.grad, group=tp_group)
         optimizer.step()
         step_times.append(time.perf_counter() - start)
+        loss = loss.detach()
+        if cp_size > 1:
+            dist.all_reduce(loss, group=cp_group)
         losses.append(loss.item())
         if rank == 0:
             print(f"step {step:>2} | loss {losses[-1]:.9f} | step time "
@@ -202,6 +247,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"losses": losses, "step_times": step_times, "world_size": world_size,
+                           "tensor_parallel": tp_size, "context_parallel": cp_size,
                            "sequence_parallel": args.sequence_parallel, "args": vars(args)},
                           f, indent=1)
     dist.destroy_process_group()
