@@ -23,6 +23,8 @@ SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/
 # What runs on the older releases: the suites that touch Megatron's layers or launch a job.
 LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_patching.py \
 	tests/test_megatron_guards.py tests/test_injection_e2e.py tests/test_tuning.py tests/test_coverage.py
+# Context parallelism on the older releases: the CP=2 cases (COC_CP_TESTS=quick), errors, the e2e job.
+CP_SUITES := tests/test_cp_gpt.py tests/test_cp_e2e.py
 
 LINK ?= 1gbit
 
@@ -47,10 +49,10 @@ test-newest: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
 
 test-middle: $(VENV_MIDDLE)/.installed
-	$(VENV_MIDDLE)/bin/python -m pytest $(LAYER_SUITES)
+	COC_CP_TESTS=quick $(VENV_MIDDLE)/bin/python -m pytest $(LAYER_SUITES) $(CP_SUITES)
 
 test-oldest: $(VENV_OLDEST)/.installed
-	$(VENV_OLDEST)/bin/python -m pytest $(LAYER_SUITES)
+	COC_CP_TESTS=quick $(VENV_OLDEST)/bin/python -m pytest $(LAYER_SUITES) $(CP_SUITES)
 
 bench-startup: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.startup
