@@ -28,7 +28,7 @@ CP_SUITES := tests/test_cp_gpt.py tests/test_cp_e2e.py
 
 LINK ?= 1gbit
 
-.PHONY: demo demo-link test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting clean
+.PHONY: demo demo-link test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -59,6 +59,9 @@ bench-startup: $(VENV)/.installed
 
 bench-accounting: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.accounting
+
+bench-cp-memory: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/cp_memory.py
 
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
 # requirements when $(2) skips them) + this package (a regular, non-editable install:
