@@ -525,47 +525,43 @@ def default_tune_cache(environ) -> str | None:
     return os.path.join(base, "coc-inject", "tune.json") if base else None
 
 
-def parse_cp_algo(variable: str, text: str) -> str:
+def _one_of(variable: str, text: str, choices, allowed: str, aliases=None) -> str:
     word = text.strip().lower()
-    word = CP_ALGO_ALIASES.get(word, word)
-    if word in CP_ALGOS:
+    word = (aliases or {}).get(word, word)
+    if word in choices:
         return word
-    raise ConfigError(variable, text, CP_ALGO_ALLOWED)
+    raise ConfigError(variable, text, allowed)
+
+
+def _int_at_least(variable: str, text: str, minimum: int, allowed: str) -> int:
+    digits = text.strip()
+    if digits.isascii() and digits.isdigit() and int(digits) >= minimum:
+        return int(digits)
+    raise ConfigError(variable, text, allowed)
+
+
+def parse_cp_algo(variable: str, text: str) -> str:
+    return _one_of(variable, text, CP_ALGOS, CP_ALGO_ALLOWED, CP_ALGO_ALIASES)
 
 
 def parse_cp_window(variable: str, text: str) -> int:
-    digits = text.strip()
-    if digits.isascii() and digits.isdigit() and int(digits) >= 1:
-        return int(digits)
-    raise ConfigError(variable, text, CP_WINDOW_ALLOWED)
+    return _int_at_least(variable, text, 1, CP_WINDOW_ALLOWED)
 
 
 def parse_cp_ulysses_degree(variable: str, text: str) -> int:
-    digits = text.strip()
-    if digits.isascii() and digits.isdigit() and int(digits) >= 2:
-        return int(digits)
-    raise ConfigError(variable, text, CP_ULYSSES_ALLOWED)
+    return _int_at_least(variable, text, 2, CP_ULYSSES_ALLOWED)
 
 
 def parse_cp_mask_type(variable: str, text: str) -> str:
-    word = text.strip().lower()
-    if word in CP_MASK_TYPES:
-        return word
-    raise ConfigError(variable, text, CP_MASK_ALLOWED)
+    return _one_of(variable, text, CP_MASK_TYPES, CP_MASK_ALLOWED)
 
 
 def parse_fused_backend(variable: str, text: str) -> str:
-    choice = text.strip().lower()
-    if choice in FUSED_BACKENDS:
-        return choice
-    raise ConfigError(variable, text, FUSED_BACKEND_ALLOWED)
+    return _one_of(variable, text, FUSED_BACKENDS, FUSED_BACKEND_ALLOWED)
 
 
 def parse_log_level(variable: str, text: str) -> str:
-    level = text.strip().lower()
-    if level in LOG_LEVELS:
-        return level
-    raise ConfigError(variable, text, LOG_LEVEL_ALLOWED)
+    return _one_of(variable, text, LOG_LEVELS, LOG_LEVEL_ALLOWED)
 
 
 # --- the config file -------------------------------------------------------------------

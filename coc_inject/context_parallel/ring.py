@@ -64,30 +64,39 @@ def _start(ring: Ring, sends, recvs, outer: bool):
     return exchange(ring.group, [(t, step(+1)) for t in sends], [(t, step(-1)) for t in recvs])
 
 
+def _pass_on(ring: Ring, block, travelling, outer: bool):
+    """Start passing ``block`` and ``travelling`` (each may be None) one hop on, inner or outer:
+    (pending, the block arriving, the accumulator arriving)."""
+    sends, recvs, arriving_block, arriving = [], [], None, None
+    if block is not None:
+        arriving_block = torch.empty_like(block)
+        sends.append(block)
+        recvs.append(arriving_block)
+    if travelling is not None:
+        arriving = torch.empty_like(travelling)
+        sends.append(travelling)
+        recvs.append(arriving)
+    return _start(ring, sends, recvs, outer), arriving_block, arriving
+
+
 def forward(ring: Ring, q, kv, q_ids, causal: bool, chunk_len: int, scale: float):
     """Attention of the local queries against every block of the ring: (out fp32, lse fp32)."""
     acc_out, acc_lse = kernel.new_accumulators(q)
     outer_steps = ring.size // ring.window
     outer_kv = kv
     for outer in range(outer_steps):
-        outer_next = outer_pending = None
-        if outer < outer_steps - 1:
-            outer_next = torch.empty_like(outer_kv)
-            outer_pending = _start(ring, [outer_kv], [outer_next], outer=True)
+        last_outer = outer == outer_steps - 1
+        outer_pending, outer_next, _ = _pass_on(ring, None if last_outer else outer_kv, None, outer=True)
         current = outer_kv
         for inner in range(ring.window):
-            inner_next = inner_pending = None
-            if inner < ring.window - 1:
-                inner_next = torch.empty_like(current)
-                inner_pending = _start(ring, [current], [inner_next], outer=False)
+            last_inner = inner == ring.window - 1
+            inner_pending, inner_next, _ = _pass_on(ring, None if last_inner else current, None, outer=False)
             plan = _plan(q_ids, ring.chunk_ids[ring.source(outer, inner)], causal)
             blocks.forward(plan, q, current[0], current[1], chunk_len, scale, acc_out, acc_lse)
-            if inner_pending is not None:
-                inner_pending.wait()
-                current = inner_next
-        if outer_pending is not None:
-            outer_pending.wait()
-            outer_kv = outer_next
+            inner_pending.wait()
+            current = current if last_inner else inner_next
+        outer_pending.wait()
+        outer_kv = outer_kv if last_outer else outer_next
     return acc_out, acc_lse
 
 
@@ -97,44 +106,27 @@ def backward(ring: Ring, q, kv, dout, lse, delta, q_ids, causal: bool, chunk_len
     outer_steps = ring.size // ring.window
     outer_kv, travelling = kv, None  # travelling: gradient accumulator of the previous outer step's block
     for outer in range(outer_steps):
-        sends, recvs, outer_next, arrived = [], [], None, None
-        if outer < outer_steps - 1:
-            outer_next = torch.empty_like(outer_kv)
-            sends.append(outer_kv)
-            recvs.append(outer_next)
-        if travelling is not None:
-            arrived = torch.empty_like(travelling)
-            sends.append(travelling)
-            recvs.append(arrived)
-        outer_pending = _start(ring, sends, recvs, outer=True)
+        last_outer = outer == outer_steps - 1
+        pending, outer_next, arrived = _pass_on(ring, None if last_outer else outer_kv, travelling, outer=True)
         # The gradient of this outer step's block from my window, after its trip round the window.
         travelling = _window_backward(ring, outer, q, outer_kv, dout, lse, delta, q_ids, causal, chunk_len, scale,
                                       dq)
-        outer_pending.wait()
+        pending.wait()
         if arrived is not None:
             travelling += arrived
-        if outer_next is not None:
-            outer_kv = outer_next
+        outer_kv = outer_kv if last_outer else outer_next
     if outer_steps == 1:
         return dq, travelling
-    home = torch.empty_like(travelling)
-    _start(ring, [travelling], [home], outer=True).wait()
+    pending, _, home = _pass_on(ring, None, travelling, outer=True)
+    pending.wait()
     return dq, home
 
 
 def _window_backward(ring, outer, q, kv, dout, lse, delta, q_ids, causal, chunk_len, scale, dq):
     current, travelling = kv, None
     for inner in range(ring.window):
-        sends, recvs, inner_next, arrived = [], [], None, None
-        if inner < ring.window - 1:
-            inner_next = torch.empty_like(current)
-            sends.append(current)
-            recvs.append(inner_next)
-        if travelling is not None:
-            arrived = torch.empty_like(travelling)
-            sends.append(travelling)
-            recvs.append(arrived)
-        pending = _start(ring, sends, recvs, outer=False)
+        last_inner = inner == ring.window - 1
+        pending, inner_next, arrived = _pass_on(ring, None if last_inner else current, travelling, outer=False)
         dkv = torch.zeros(current.shape, dtype=torch.float32, device=current.device)
         plan = _plan(q_ids, ring.chunk_ids[ring.source(outer, inner)], causal)
         blocks.backward(plan, q, current[0], current[1], dout, lse, delta, chunk_len, scale, dq, dkv[0], dkv[1])
@@ -142,10 +134,9 @@ def _window_backward(ring, outer, q, kv, dout, lse, delta, q_ids, causal, chunk_
         if arrived is not None:
             dkv += arrived
         travelling = dkv
-        if inner_next is not None:
-            current = inner_next
+        current = current if last_inner else inner_next
     if ring.window == 1:
         return travelling
-    home = torch.empty_like(travelling)
-    _start(ring, [travelling], [home], outer=False).wait()
+    pending, _, home = _pass_on(ring, None, travelling, outer=False)
+    pending.wait()
     return home
