@@ -365,8 +365,9 @@ ENV_REFERENCE = (
             "HCCL_DETERMINISTIC=true for HCCL/MC2 before the first kernel); the chunked pipeline is always "
             "deterministic."),
     Setting("COC_ALLOW_UNTESTED_MEGATRON", _shown(_DEFAULTS.allow_untested_megatron), BOOL_ALLOWED,
-            "Patch a megatron-core release outside the tested range anyway (one warning says it is "
-            "untested); without it such a release is left unpatched with one warning."),
+            "Patch a megatron-core release outside the tested range, or one whose release cannot be determined, "
+            "anyway (one warning says it is untested); without it such a release is left unpatched with one "
+            "warning."),
     Setting("COC_REPORT", "(unset)", REPORT_ALLOWED,
             "Each rank writes a JSON report of what CoC did per layer at exit; {rank} in the path is "
             "replaced by the global rank, without it only global rank 0 writes."),
