@@ -43,12 +43,15 @@ def chunk_variant(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from coc_inject.bench.attention import CASES as ATTENTION_CASES
     from coc_inject.bench.layers import CASES, DEFAULT_CASES
 
     parser = argparse.ArgumentParser(prog="coc-inject bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--link", metavar="RATE", help="emulate a link of this rate between the 2 ranks, "
                         "e.g. 1gbit (root only)")
-    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=[*CASES, *ATTENTION_CASES],
+                        help="linear layer cases, and/or attention: context-parallel core attention, every "
+                             "algorithm (coc_inject.bench.attention; writes attention.json / attention.png)")
     parser.add_argument("--chunks", nargs="+", type=chunk_variant, default=[1, 2, 4, 8, "auto"],
                         help="fixed chunk counts and/or auto (COC_PARALLEL_NUM=auto, fresh tune cache; "
                              "default: 1 2 4 8 auto)")
@@ -60,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--startup-reps", type=int, default=40,
                         help="repetitions of the bootstrap start-up measurement (0: skip)")
+    attention = parser.add_argument_group("attention case (--cases attention)")
+    attention.add_argument("--cp", nargs="+", type=int, help="context-parallel sizes, one local rank each "
+                           "(default: 2 4 on loopback, 2 with --link)")
+    attention.add_argument("--seq", type=int, default=2048, help="whole sequence length (default 2048)")
+    attention.add_argument("--batch", type=int, default=1)
+    attention.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    attention.add_argument("--kv-groups", type=int, default=8, help="key/value groups (default 8: no GQA)")
+    attention.add_argument("--head-dim", type=int, default=64)
     return parser
 
 
@@ -84,8 +95,9 @@ def run_rank(args, device) -> dict | None:
     return {"results": results, "host_overhead": overhead}
 
 
-def _local_rank(rank, world, port, args, namespaces, work=None):
-    """One spawned rank: gloo on the CPU, Megatron's TP = ``args.tp`` (default: all ranks);
+def _local_rank(rank, world, port, args, namespaces, work=None, megatron=True):
+    """One spawned rank: gloo on the CPU, Megatron's TP = ``args.tp`` (default: all ranks; not
+    initialised with ``megatron=False``: work that never touches Megatron skips its import);
     runs ``work(args, device)`` (default run_rank)."""
     from coc_inject.bench import link as link_module
 
@@ -103,16 +115,17 @@ def _local_rank(rank, world, port, args, namespaces, work=None):
     # Megatron allocates its SP buffers with torch.cuda.current_device(); these ranks are CPU.
     torch.cuda.current_device = lambda: torch.device("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
+    if megatron:
+        from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None) or world)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None) or world)
     try:
         return (work or run_rank)(args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
 
 
-def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench") -> dict:
+def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench", megatron: bool = True) -> dict:
     from coc_inject.bench.link import EmulatedLink
     from coc_inject.local_ranks import free_port, run_local_ranks
 
@@ -122,8 +135,8 @@ def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench"
         if args.link:
             with EmulatedLink(args.link) as link:
                 # The rendezvous port is on the link's own address: any port is free there.
-                return run_local_ranks(_local_rank, world, 29500, args, link.names, work)
-        return run_local_ranks(_local_rank, world, free_port(), args, None, work)
+                return run_local_ranks(_local_rank, world, 29500, args, link.names, work, megatron)
+        return run_local_ranks(_local_rank, world, free_port(), args, None, work, megatron)
     except RuntimeError as error:
         raise SystemExit(f"{command} failed:\n{error}") from None
 
@@ -159,6 +172,7 @@ def describe_where(args) -> str:
 
 def main(argv=None) -> int:
     from coc_inject.bench import report
+    from coc_inject.bench.attention import CASES as ATTENTION_CASES
     from coc_inject.bench.link import EmulatedLink, LinkError
 
     args = build_parser().parse_args(argv)
@@ -168,6 +182,13 @@ def main(argv=None) -> int:
         except LinkError as error:
             print(f"coc-inject bench: {error}", file=sys.stderr)
             return 2
+    if any(case in ATTENTION_CASES for case in args.cases):
+        from coc_inject.bench.attention import bench as attention_bench
+
+        code = attention_bench(args)
+        args.cases = [case for case in args.cases if case not in ATTENTION_CASES]
+        if code or not args.cases:
+            return code
     started = time.time()
     measured = run_torchrun(args) if "RANK" in os.environ else run_local(args)
     if measured is None:
