@@ -85,13 +85,13 @@ FUSED_BACKENDS = ("auto", "chunked", "atb", "mc2", "symm_mem")
 FUSED_BACKEND_ALLOWED = ", ".join(FUSED_BACKENDS) + " (any case)"
 REPORT_ALLOWED = "a file path (its directory must be writable); {rank} is replaced by the global rank"
 # Context parallelism on Megatron's local attention (coc_inject.context_parallel).
-CP_ALGOS = ("ring", "ulysses", "hybrid", "allgather", "megatron")
+CP_ALGOS = ("ring", "ulysses", "hybrid", "allgather", "megatron", "auto")
 # MindSpeed's --context-parallel-algo names, and Megatron's spelling of all-gather.
 CP_ALGO_ALIASES = {"megatron_cp_algo": "ring", "ulysses_cp_algo": "ulysses", "hybrid_cp_algo": "hybrid",
                    "all_gather": "allgather"}
-CP_ALGO_ALLOWED = ("ring, ulysses, hybrid, allgather, or megatron (each layer's cp_comm_type: p2p = ring, "
-                   "a2a = ulysses, a2a+p2p = hybrid, all_gather = allgather); MindSpeed's megatron_cp_algo "
-                   "(= ring), ulysses_cp_algo, hybrid_cp_algo (any case)")
+CP_ALGO_ALLOWED = ("ring, ulysses, hybrid, allgather, megatron (each layer's cp_comm_type: p2p = ring, "
+                   "a2a = ulysses, a2a+p2p = hybrid, all_gather = allgather) or auto (tried per attention shape "
+                   "at run time); MindSpeed's megatron_cp_algo (= ring), ulysses_cp_algo, hybrid_cp_algo (any case)")
 CP_WINDOW_ALLOWED = ("an integer >= 1: 1 = ring; w > 1 = Double-Ring with inner rings of w ranks "
                      "(w < the ring's size, w divides it)")
 CP_ULYSSES_ALLOWED = "an integer >= 2 that divides the context-parallel size and is smaller than it"

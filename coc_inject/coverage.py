@@ -100,6 +100,7 @@ class Coverage:
         self._report_enabled = False  # set by arm() once the report directory is known writable
         self._previous_sigterm = None
         self.decisions = dict  # () -> {DecisionKey: Decision} of COC_PARALLEL_NUM=auto (set by install)
+        self.attention_decisions = dict  # () -> {AttentionKey: Decision} of COC_CP_ALGO=auto
 
     # -- the hot path --------------------------------------------------------------------
     def count(self, layer, key: tuple, input_, shape_of) -> None:
@@ -304,6 +305,10 @@ class Coverage:
                  "chunks": decision.chunks, "source": decision.source,
                  "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
                 for key, decision in self.decisions().items()],
+            "attention_decisions": [
+                {"key": key.text(), "algorithm": decision.choice, "source": decision.source,
+                 "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
+                for key, decision in self.attention_decisions().items()],
         }
 
     def ended_before_any_call(self) -> bool:

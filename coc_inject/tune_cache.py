@@ -1,7 +1,8 @@
 """The persistent store of ``auto`` decisions (``COC_TUNE_CACHE``): one JSON file.
 
-``{"version": 1, "entries": {key: {"chunks": N, "times_ms": {...}, "written": unix time}}}``;
-a key is the decision key plus the hardware identity, as text. Reads happen once per process.
+``{"version": 1, "entries": {key: {"chunks": N, "times_ms": {...}, "written": unix time}}}``
+(``"choice": name`` in place of ``"chunks"`` for a named choice, e.g. a context-parallel
+algorithm); a key is the decision key's fields plus the hardware identity, as text. Reads happen once per process.
 Writes (by one rank per group) take an exclusive ``flock`` on ``PATH.lock``, re-read the file,
 merge the entry and replace the file atomically (write to a temporary file, ``os.replace``),
 so concurrent jobs never lose each other's entries or leave a torn file. An unreadable or
@@ -29,19 +30,23 @@ class TuneCache:
 
     @staticmethod
     def key(decision_key, identity: str) -> str:
-        k = decision_key
-        return json.dumps([k.case, k.m, k.k, k.n, k.dtype, k.tp, k.device, k.backward, identity])
+        return json.dumps([*decision_key.cache_fields(), identity])
 
-    def get(self, key: str) -> int | None:
+    def get(self, key: str) -> int | str | None:
+        """The cached chunk count (an int >= 1) or named choice (a non-empty str); None otherwise."""
         if self._entries is None:
             self._entries = self._read(warn=True)
         entry = self._entries.get(key)
-        chunks = entry.get("chunks") if isinstance(entry, dict) else None
-        return chunks if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1 else None
+        if not isinstance(entry, dict):
+            return None
+        chunks, choice = entry.get("chunks"), entry.get("choice")
+        if isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1:
+            return chunks
+        return choice if isinstance(choice, str) and choice else None
 
-    def put(self, key: str, chunks: int, times_ms: dict) -> None:
-        entry = {"chunks": chunks, "times_ms": {str(c): round(t, 4) for c, t in times_ms.items()},
-                 "written": round(time.time(), 3)}
+    def put(self, key: str, choice: int | str, times_ms: dict) -> None:
+        entry = {"choice" if isinstance(choice, str) else "chunks": choice,
+                 "times_ms": {str(c): round(t, 4) for c, t in times_ms.items()}, "written": round(time.time(), 3)}
         if self._entries is None:
             self._entries = {}
         self._entries[key] = entry

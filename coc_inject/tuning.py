@@ -1,4 +1,6 @@
 """``COC_PARALLEL_NUM=auto``: each shape's chunk count, chosen at run time, the same on every rank.
+(``COC_CP_ALGO=auto`` uses the same tuner for the context-parallel algorithm: :meth:`Tuner.decide`
+among named candidates, with a baseline in place of N=1.)
 
 A decision is made once per :class:`DecisionKey` (layer case, m, k, n, dtype, TP size, device
 type, with or without backward), at the first call of that key; the cache keys it further by the
@@ -54,38 +56,48 @@ class DecisionKey:
         return (f"{self.case} [{self.m}, {self.k}, {self.n}] {self.dtype} TP{self.tp} {self.device}"
                 + ("" if self.backward else " forward-only"))
 
+    def cache_fields(self) -> list:
+        return [self.case, self.m, self.k, self.n, self.dtype, self.tp, self.device, self.backward]
+
+    def name(self, choice) -> str:
+        return "Megatron's own path (N=1)" if choice == 1 else f"N={choice}"
+
 
 @dataclass(frozen=True)
 class Decision:
-    chunks: int
+    choice: object  # a chunk count (COC_PARALLEL_NUM=auto) or an algorithm name (COC_CP_ALGO=auto)
     source: str  # "trials" | "cache" | "deterministic default"
     times_ms: dict  # candidate -> median ms (trials only)
     noise_ms: float = 0.0
 
-    def describe(self, key: DecisionKey) -> str:
-        chosen = "Megatron's own path (N=1)" if self.chunks == 1 else f"N={self.chunks}"
-        text = f"auto: {key.text()} -> {chosen} ({self.source}"
+    @property
+    def chunks(self) -> int:
+        return self.choice
+
+    def describe(self, key) -> str:
+        text = f"auto: {key.text()} -> {key.name(self.choice)} ({self.source}"
         if self.times_ms:
-            times = ", ".join(f"N={c} {t:.2f} ms" for c, t in sorted(self.times_ms.items()))
+            times = ", ".join(f"{key.name(c)} {t:.2f} ms" for c, t in self.times_ms.items())
             text += f": {times}; noise {self.noise_ms:.2f} ms; median of {TIMED_ROUNDS} runs, max over ranks"
         return text + ")"
 
 
-def choose(samples: dict) -> tuple[int, float]:
-    """(chunks, noise) from per-candidate timed samples (seconds or ms, any unit); pure.
+def choose(samples: dict, baseline=1) -> tuple:
+    """(choice, noise) from per-candidate timed samples (seconds or ms, any unit); pure.
 
-    The fastest CoC count by median wins only if it beats N=1 by more than the noise."""
+    The fastest other candidate by median wins only if it beats ``baseline`` (Megatron's N=1, or
+    the documented fixed algorithm) by more than the noise."""
     medians = {c: statistics.median(v) for c, v in samples.items()}
-    baseline = medians[1]
-    best = min((c for c in medians if c != 1), key=lambda c: (medians[c], c), default=1)
-    if best == 1:
-        return 1, 0.0
+    reference = medians[baseline]
+    best = min((c for c in medians if c != baseline), key=lambda c: (medians[c], str(c)), default=baseline)
+    if best == baseline:
+        return baseline, 0.0
 
     def half_range(values):
         return (max(values) - min(values)) / 2
 
-    noise = max(NOISE_FLOOR * baseline, half_range(samples[1]), half_range(samples[best]))
-    return (best if baseline - medians[best] > noise else 1), noise
+    noise = max(NOISE_FLOOR * reference, half_range(samples[baseline]), half_range(samples[best]))
+    return (best if reference - medians[best] > noise else baseline), noise
 
 
 def schedule(candidates: list, rounds: int = TIMED_ROUNDS) -> tuple[list, list]:
@@ -105,8 +117,8 @@ def synchronize(device: torch.device) -> None:
         torch.npu.synchronize()  # torch_npu registers torch.npu
 
 
-def hardware_identity(device: torch.device, group) -> str:
-    """What a cached decision is only valid for: device (or host) name, world and TP size, backend."""
+def hardware_identity(device: torch.device, group, group_name: str = "TP") -> str:
+    """What a cached decision is only valid for: device (or host) name, world and group size, backend."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     elif device.type == "npu":
@@ -116,7 +128,7 @@ def hardware_identity(device: torch.device, group) -> str:
 
         name = f"host {socket.gethostname()}"
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return f"{name}; world {world}; TP {group.size()}; {dist.get_backend(group)}"
+    return f"{name}; world {world}; {group_name} {group.size()}; {dist.get_backend(group)}"
 
 
 class Tuner:
@@ -128,37 +140,45 @@ class Tuner:
         self.decisions: dict[DecisionKey, Decision] = {}
 
     def chunks(self, key: DecisionKey, group, device: torch.device, rows: int, run: Callable[[int], None]) -> int:
+        candidates = [1] + [c for c in self.config.tune_candidates if c <= rows]
+        return self.decide(key, group, device, candidates, 1, run)
+
+    def decide(self, key, group, device: torch.device, candidates: list, baseline, run: Callable,
+               group_name: str = "TP"):
+        """The choice for ``key`` among ``candidates`` (``run(candidate)`` runs one trial), made once."""
         decision = self.decisions.get(key)
         if decision is None:
-            decision = self.decisions[key] = self._decide(key, group, device, rows, run)
-        return decision.chunks
+            decision = self.decisions[key] = self._decide(key, group, device, candidates, baseline, run, group_name)
+        return decision.choice
 
-    def _decide(self, key, group, device, rows, run) -> Decision:
-        identity = hardware_identity(device, group)
-        cached = self._agreed_cached(key, identity, group, device)
+    def _decide(self, key, group, device, candidates, baseline, run, group_name) -> Decision:
+        identity = hardware_identity(device, group, group_name)
+        cached = self._agreed_cached(key, identity, group, device, candidates)
         if cached is not None:
             decision = Decision(cached, "cache", {})
         elif self.config.deterministic:
-            decision = Decision(1, "deterministic default: COC_DETERMINISTIC=1 runs no trials and "
-                                   "nothing is cached for it", {})
+            decision = Decision(baseline, "deterministic default: COC_DETERMINISTIC=1 runs no trials and "
+                                          "nothing is cached for it", {})
         else:
-            candidates = [1] + [c for c in self.config.tune_candidates if c <= rows]
             samples = self._trials(candidates, group, device, run)
-            chunks, noise = choose(samples)
-            decision = Decision(chunks, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
+            choice, noise = choose(samples, baseline)
+            decision = Decision(choice, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
                                 noise * 1e3)
             if self.cache is not None and group.rank() == 0:
-                self.cache.put(self.cache.key(key, identity), chunks, decision.times_ms)
+                self.cache.put(self.cache.key(key, identity), choice, decision.times_ms)
         level = logging.INFO if dist.get_rank() == 0 else logging.DEBUG
         log.logger.log(level, decision.describe(key))
         return decision
 
-    def _agreed_cached(self, key, identity, group, device) -> int | None:
+    def _agreed_cached(self, key, identity, group, device, candidates):
+        """Group rank 0's cached choice, the same on every rank (None: nothing usable cached).
+        A cached chunk count is used as it is; a cached name only if it is a candidate here."""
         mine = self.cache.get(self.cache.key(key, identity)) if self.cache is not None else None
-        value = torch.tensor([mine or 0], dtype=torch.int64, device=device)
-        dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
-        agreed = int(value.item())
-        return agreed if agreed >= 1 else None
+        if isinstance(mine, str) and mine not in candidates:
+            mine = None
+        agreed = [mine]
+        dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group, device=device)
+        return agreed[0]
 
     def _trials(self, candidates, group, device, run) -> dict:
         warm_up, timed = schedule(candidates)

@@ -10,6 +10,8 @@ sequence-parallel parameters, over the TP group.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -107,7 +109,27 @@ def cp_slice(tensor, dim, cp, cp_rank):
     return tensor.index_select(dim, torch.tensor(rows))
 
 
-def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_twice=False, **model_kwargs):
+def _skew_trials(name, seconds):
+    """This rank's trial runs of the algorithm ``name`` take ``seconds`` longer (a real delay)."""
+    from coc_inject.config import CocConfig  # noqa: F401 - the tuner exists once install() ran
+    from coc_inject.tuning import Tuner, cache_for
+
+    config = install._state["config"]
+    tuner = install._state["tuner"] = Tuner(config, cache_for(config))
+    decide = tuner.decide
+
+    def skewed_decide(key, group, device, candidates, baseline, run, group_name="TP"):
+        def trial(candidate):
+            run(candidate)
+            if candidate == name:
+                time.sleep(seconds)
+        return decide(key, group, device, candidates, baseline, trial, group_name)
+
+    tuner.decide = skewed_decide
+
+
+def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_twice=False, skew=None,
+          **model_kwargs):
     """Losses per step and this rank's parameters after ``steps`` SGD steps.
 
     SGD, not Adam: Adam turns the rounding noise of a gradient that is zero in exact arithmetic
@@ -116,6 +138,8 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
     from megatron.core import parallel_state
 
     setup(tp, cp, coc, model_kwargs.get("hierarchical"))
+    if skew and dist.get_rank() in skew:
+        _skew_trials(*skew[dist.get_rank()])
     model = build_gpt(tp, cp, seq=seq, vocab=vocab, **model_kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     cp_group, tp_group = parallel_state.get_context_parallel_group(), parallel_state.get_tensor_model_parallel_group()
@@ -149,8 +173,12 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
         losses.append(total.item())
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     algorithms = sorted({m._coc_cp.describe() for m in model.modules() if getattr(m, "_coc_cp", None)})
+    tuner = install._state["tuner"]
+    decisions = [] if tuner is None else [
+        {"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
+        for key, d in tuner.decisions.items()]
     return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "algorithms": algorithms}
+            "algorithms": algorithms, "decisions": decisions}
 
 
 def saved_attention_bytes(tp, cp, coc=None, seq=256, b=1, heads=4, dim=16):

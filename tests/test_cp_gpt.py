@@ -1,8 +1,12 @@
 """Context parallelism on a real megatron-core GPT (local spec), 4 gloo ranks: each algorithm against
 the same model at CP=1 with Megatron's own attention -- losses and parameters after SGD steps within
-1e-5 relative; memory kept for backward; errors for what cannot run exactly."""
+1e-5 relative; memory kept for backward; errors for what cannot run exactly; COC_CP_ALGO=auto (equal
+losses, one decision on every rank with one rank's timings skewed, the cache round trip, deterministic
+mode, auto on some ranks and a fixed algorithm on others)."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -148,4 +152,67 @@ def test_ranks_with_different_algorithms_fail_alike(pool):
     coc = [{"cp_algo": "ring"}, {"cp_algo": "ulysses"}, {"cp_algo": "ring"}, {"cp_algo": "ulysses"}]
     errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error",
                                [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
+    assert all(e is not None and "differs across the ranks" in e for e in errors), errors
+
+
+# -- COC_CP_ALGO=auto ------------------------------------------------------------------------
+
+
+def train_auto(pool, tp=1, cp=2, **kwargs):
+    return pool.run("tests.cp_gpt_cases:train", tp=tp, cp=cp, **kwargs)
+
+
+@full_only
+@pytest.mark.parametrize("tp,model", [(1, {}), (2, {"heads": 8, "groups": 2, "sp": True})], ids=["tp1", "tp2-sp-gqa"])
+def test_auto_losses_equal_cp1_and_decide_at_the_first_step(pool, tp, model):
+    got = train_auto(pool, tp=tp, coc={"cp_algo": "auto", "tune_cache": None}, **model)
+    assert_same_training(got, reference(pool, tp, **model))
+    for result in got:
+        assert result["algorithms"] == ["auto among ring/ulysses/allgather"]
+        # one key (every layer and step has the same shape), decided by trials at the first call
+        assert [(d["source"], sorted(d["times_ms"])) for d in result["decisions"]] == [
+            ("trials", ["allgather", "ring", "ulysses"])]
+    assert len({r["decisions"][0]["choice"] for r in got}) == 1
+
+
+@full_only
+def test_one_rank_skewed_still_one_decision(pool):
+    slow = 0.05
+    got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": None}, steps=1, skew={1: ("ulysses", slow)})
+    decisions = [r["decisions"][0] for r in got]
+    assert len({d["choice"] for d in decisions}) == 1 and decisions[0]["choice"] != "ulysses"
+    # MAX over the CP group: rank 1's delay is in every rank of its group's timings
+    for rank in (0, 1):
+        assert decisions[rank]["times_ms"]["ulysses"] >= slow * 1e3
+
+
+@full_only
+def test_cache_round_trip_runs_no_trial(pool, tmp_path):
+    cache = str(tmp_path / "tune.json")
+    first = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": cache}, steps=1)
+    entries = json.loads(Path(cache).read_text())["entries"]
+    # both CP groups of the pool tried the same key on the same host: one entry, the last writer's
+    assert len(entries) == 1
+    (cached,) = [entry["choice"] for entry in entries.values()]
+    assert cached in {r["decisions"][0]["choice"] for r in first}
+    second = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": cache}, steps=1)
+    for a, b in zip(first, second):
+        assert a["decisions"][0]["source"] == "trials"
+        assert (b["decisions"][0]["source"], b["decisions"][0]["choice"]) == ("cache", cached)
+        assert b["decisions"][0]["times_ms"] == {}
+
+
+@full_only
+def test_deterministic_runs_no_trial_and_uses_ring(pool, tmp_path):
+    got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": str(tmp_path / "none.json"), "deterministic": True},
+                steps=1)
+    for result in got:
+        decision = result["decisions"][0]
+        assert decision["choice"] == "ring" and decision["source"].startswith("deterministic default")
+
+
+@full_only
+def test_auto_on_some_ranks_and_a_fixed_algorithm_on_others_fails_alike(pool):
+    coc = [{"cp_algo": "auto", "tune_cache": None}, {"cp_algo": "ring"}] * 2
+    errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error", [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
     assert all(e is not None and "differs across the ranks" in e for e in errors), errors

@@ -19,7 +19,7 @@ import torch
 from coc_inject.context_parallel import groups as cp_groups
 from coc_inject.context_parallel import layout
 from coc_inject.context_parallel.function import ContextParallelAttention
-from coc_inject.context_parallel.schedule import ALGORITHMS, ALLGATHER, HYBRID, RING, ULYSSES, make_schedule
+from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, RING, ULYSSES, make_schedule
 
 # Megatron's cp_comm_type values (TransformerConfig, per layer) -> algorithm.
 CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID, "all_gather": ALLGATHER,
@@ -31,21 +31,18 @@ class ContextParallelError(ValueError):
     """A configuration or call the context-parallel attention cannot run exactly."""
 
 
-@dataclass
-class LayerCP:
-    """One layer's context-parallel plan, decided at construction."""
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run a layer: an algorithm with its sub-group sizes."""
 
     algorithm: str
-    cp_size: int
-    cp_group: object
-    window: int
-    ulysses_degree: int
-    kv_repeats: int  # K/V groups repeated so that the Ulysses all-to-all can split them
-    mask_type: str | None  # COC_CP_MASK_TYPE
-    ulysses_group: object = None  # the all-to-all group (ulysses, hybrid)
-    scale: float = 0.0  # set once Megatron's __init__ has computed it
-    schedules: dict = field(default_factory=dict)  # causal -> Schedule
-    checked_masks: dict = field(default_factory=dict)  # mask identity -> causal
+    window: int = 1
+    ulysses_degree: int = 1
+    kv_repeats: int = 1  # K/V groups repeated so that the Ulysses all-to-all can split them
+    ulysses_group: object = field(default=None, compare=False)  # the all-to-all group (ulysses, hybrid)
 
     def describe(self) -> str:
         if self.algorithm == RING and self.window > 1:
@@ -53,6 +50,25 @@ class LayerCP:
         if self.algorithm == HYBRID:
             return f"hybrid u={self.ulysses_degree}" + (f" w={self.window}" if self.window > 1 else "")
         return self.algorithm
+
+
+@dataclass
+class LayerCP:
+    """One layer's context-parallel plan, decided at construction: one variant, or the candidates of auto."""
+
+    cp_size: int
+    cp_group: object
+    variants: tuple
+    mask_type: str | None  # COC_CP_MASK_TYPE
+    auto: bool = False
+    scale: float = 0.0  # set once Megatron's __init__ has computed it
+    schedules: dict = field(default_factory=dict)  # (variant, causal) -> Schedule
+    checked_masks: dict = field(default_factory=dict)  # mask identity -> causal
+
+    def describe(self) -> str:
+        if self.auto:
+            return "auto among " + "/".join(v.describe() for v in self.variants)
+        return self.variants[0].describe()
 
 
 def _cp_comm_type(value, layer_number: int):
@@ -63,7 +79,8 @@ def _cp_comm_type(value, layer_number: int):
 
 def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, attention_dropout, cp_group,
                ulysses_group_of) -> LayerCP:
-    """Decide the algorithm and check what it needs; ContextParallelError names what cannot run."""
+    """Decide the algorithm (or auto's candidates) and check what it needs; ContextParallelError
+    names what cannot run."""
     n = megatron_config.context_parallel_size
     where = f"context parallelism (CP={n}) on Megatron's local DotProductAttention"
     comm_type = _cp_comm_type(cp_comm_type, layer_number)
@@ -74,7 +91,6 @@ def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, att
         algorithm = CP_COMM_TYPES[comm_type]
     else:
         algorithm = coc_config.cp_algorithm
-    assert algorithm in ALGORITHMS, algorithm
     dropout = megatron_config.attention_dropout if attention_dropout is None else attention_dropout
     unsupported = {
         f"attention dropout {dropout} (set attention_dropout=0)": dropout and dropout > 0,
@@ -89,16 +105,37 @@ def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, att
     if cp_group is None or cp_group.size() != n:
         raise ContextParallelError(f"{where}: Megatron's context-parallel group is missing or not of size {n} "
                                    "(was initialize_model_parallel called with context_parallel_size?)")
+    if coc_config.cp_ulysses_degree is not None and algorithm not in (HYBRID, AUTO) \
+            and coc_config.cp_algorithm != FOLLOW_MEGATRON:
+        raise ContextParallelError(f"{where}: COC_CP_ULYSSES_DEGREE={coc_config.cp_ulysses_degree} is for "
+                                   f"hybrid; the algorithm is {algorithm}")
 
+    def variant(name, window):
+        return _variant(name, window, coc_config, megatron_config, cp_group, ulysses_group_of, where)
+
+    if algorithm != AUTO:
+        return LayerCP(n, cp_group, (variant(algorithm, coc_config.cp_window),), coc_config.cp_mask_type)
+    # auto: every algorithm the shape and the configured sub-group sizes allow (ring always).
+    candidates = [(RING, 1), (RING, coc_config.cp_window), (ULYSSES, 1), (ALLGATHER, 1)]
+    if coc_config.cp_ulysses_degree is not None or len(_hierarchical(megatron_config)) == 2:
+        candidates.append((HYBRID, coc_config.cp_window))
+    variants = []
+    for name, window in dict.fromkeys(candidates):
+        try:
+            variants.append(variant(name, window))
+        except ContextParallelError:
+            if name == RING and window == 1:
+                raise
+    return LayerCP(n, cp_group, tuple(variants), coc_config.cp_mask_type, auto=True)
+
+
+def _variant(algorithm, window, coc_config, megatron_config, cp_group, ulysses_group_of, where) -> Variant:
+    n = megatron_config.context_parallel_size
     degree = 1
     if algorithm == ULYSSES:
         degree = n
     elif algorithm == HYBRID:
         degree = _hybrid_degree(coc_config, megatron_config, where)
-    elif coc_config.cp_ulysses_degree is not None and coc_config.cp_algorithm != FOLLOW_MEGATRON:
-        raise ContextParallelError(f"{where}: COC_CP_ULYSSES_DEGREE={coc_config.cp_ulysses_degree} is for "
-                                   f"hybrid; the algorithm is {algorithm}")
-    window = coc_config.cp_window
     ring_size = n // degree
     if window > 1 and (algorithm in (ULYSSES, ALLGATHER) or window >= ring_size or ring_size % window):
         raise ContextParallelError(
@@ -129,12 +166,16 @@ def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, att
                 "armed?), or set hierarchical_context_parallel_sizes")
     elif algorithm == ULYSSES:
         ulysses_group = cp_group
-    return LayerCP(algorithm, n, cp_group, window, degree, kv_repeats, coc_config.cp_mask_type, ulysses_group)
+    return Variant(algorithm, window, degree, kv_repeats, ulysses_group)
+
+
+def _hierarchical(megatron_config) -> list:
+    return list(getattr(megatron_config, "hierarchical_context_parallel_sizes", None) or [])
 
 
 def _hybrid_degree(coc_config, megatron_config, where) -> int:
     n = megatron_config.context_parallel_size
-    hierarchical = list(getattr(megatron_config, "hierarchical_context_parallel_sizes", None) or [])
+    hierarchical = _hierarchical(megatron_config)
     from_megatron = hierarchical[0] if len(hierarchical) == 2 else None
     degree = coc_config.cp_ulysses_degree or from_megatron
     if degree is None:
@@ -196,28 +237,30 @@ def _mask_is_causal(plan: LayerCP, mask, q_ids, chunk_len: int) -> bool:
     return causal
 
 
-def schedule_for(plan: LayerCP, causal: bool):
-    schedule = plan.schedules.get(causal)
+def schedule_for(plan: LayerCP, variant: Variant, causal: bool):
+    schedule = plan.schedules.get((variant, causal))
     if schedule is None:
-        schedule = plan.schedules[causal] = make_schedule(
-            plan.algorithm, plan.cp_group, causal=causal, scale=plan.scale, window=plan.window,
-            ulysses_group=plan.ulysses_group, ulysses_size=plan.ulysses_degree)
+        schedule = plan.schedules[(variant, causal)] = make_schedule(
+            variant.algorithm, plan.cp_group, causal=causal, scale=plan.scale, window=variant.window,
+            ulysses_group=variant.ulysses_group, ulysses_size=variant.ulysses_degree)
     return schedule
 
 
-def forward(plan: LayerCP, query, key, value, attention_mask, mask_type):
-    """[s, b, heads, d] q and [s, b, groups, d] k/v (this rank's rows) -> [s, b, heads * d]."""
-    s, b, heads, d = query.shape
+def run(plan: LayerCP, variant: Variant, query, key, value, causal: bool):
+    """[s, b, heads, d] q and [s, b, groups, d] k/v (this rank's rows) -> [s, b, heads, d]."""
+    if variant.kv_repeats > 1:
+        key = key.repeat_interleave(variant.kv_repeats, dim=2)
+        value = value.repeat_interleave(variant.kv_repeats, dim=2)
+    return ContextParallelAttention.apply(query, key, value, schedule_for(plan, variant, causal))
+
+
+def mask_is_causal(plan: LayerCP, query, attention_mask, mask_type) -> bool:
+    """Causal or not for this call (errors for what cannot run); checks the rows too."""
+    s = query.shape[0]
     if s % 2:
         raise ContextParallelError(f"context parallelism needs the sequence in 2*CP chunks (Megatron's "
                                    f"get_batch_on_this_cp_rank); this rank holds {s} rows, an odd number")
-    rank = plan.cp_group.rank()
-    causal = is_causal(plan, mask_type, attention_mask, layout.rank_chunks(rank, plan.cp_size), s // 2)
-    if plan.kv_repeats > 1:
-        key = key.repeat_interleave(plan.kv_repeats, dim=2)
-        value = value.repeat_interleave(plan.kv_repeats, dim=2)
-    out = ContextParallelAttention.apply(query, key, value, schedule_for(plan, causal))
-    return out.reshape(s, b, heads * d)
+    return is_causal(plan, mask_type, attention_mask, layout.rank_chunks(plan.cp_group.rank(), plan.cp_size), s // 2)
 
 
 def init_signature(original_init):

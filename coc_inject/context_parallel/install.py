@@ -22,7 +22,7 @@ PARALLEL_STATE_MODULE = "megatron.core.parallel_state"
 ROUTE = "context-parallel"
 
 _originals: dict = {}  # (owner, attribute name) -> original
-_state = {"config": None, "coverage": None}
+_state = {"config": None, "coverage": None, "tuner": None}
 
 
 def _patch(owner, name, replacement) -> None:
@@ -37,7 +37,7 @@ def is_installed() -> bool:
 def install(config, attention_module=None, parallel_state=None, coverage=None) -> None:
     """Patch the attention class (and, when given, parallel_state) for ``config``. Idempotent."""
     uninstall()
-    _state.update(config=config, coverage=coverage)
+    _state.update(config=config, coverage=coverage, tuner=None)
     if parallel_state is not None:
         _patch_parallel_state(parallel_state)
     if attention_module is not None:
@@ -51,7 +51,7 @@ def uninstall() -> None:
     for (owner, name), original in _originals.items():
         setattr(owner, name, original)
     _originals.clear()
-    _state.update(config=None, coverage=None)  # Ulysses groups live until destroy_model_parallel
+    _state.update(config=None, coverage=None, tuner=None)  # Ulysses groups live until destroy_model_parallel
 
 
 def _patch_attention(cls, config) -> None:
@@ -90,15 +90,30 @@ def _patch_attention(cls, config) -> None:
                 raise attention.ContextParallelError(
                     f"context parallelism on Megatron's local DotProductAttention does not support {feature}")
         _agree(plan, query.device)
-        out = attention.forward(plan, query, key, value, attention_mask, attn_mask_type or self.attn_mask_type)
+        causal = attention.mask_is_causal(plan, query, attention_mask, attn_mask_type or self.attn_mask_type)
+        variant = _auto_choice(self, plan, query, key, value, causal) if plan.auto else plan.variants[0]
+        out = attention.run(plan, variant, query, key, value, causal)
         coverage = _state["coverage"]
         if coverage is not None:
-            coverage.count_attention(self, plan.describe(), plan.cp_size)
-        return out
+            coverage.count_attention(self, variant.describe() + (" (auto)" if plan.auto else ""), plan.cp_size)
+        s, b, heads, d = query.shape
+        return out.reshape(s, b, heads * d)
 
     __init__.__coc_inject__ = forward.__coc_inject__ = True
     _patch(cls, "__init__", __init__)
     _patch(cls, "forward", forward)
+
+
+def _auto_choice(layer, plan, query, key, value, causal):
+    from coc_inject.context_parallel import auto
+    from coc_inject.tuning import Tuner, cache_for
+
+    if _state["tuner"] is None:
+        config = _state["config"]
+        tuner = _state["tuner"] = Tuner(config, cache_for(config))
+        if _state["coverage"] is not None:
+            _state["coverage"].attention_decisions = lambda: tuner.decisions
+    return auto.choose(_state["tuner"], plan, query, key, value, causal, layer.config.tensor_model_parallel_size)
 
 
 def _agree(plan, device) -> None:

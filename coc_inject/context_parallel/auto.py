@@ -1,0 +1,65 @@
+"""``COC_CP_ALGO=auto``: each attention shape's algorithm, chosen at its first call, the same on every rank.
+
+The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: every
+candidate of the layer (ring always; Double-Ring, Ulysses, hybrid and all-gather where the shape
+and the configured sub-group sizes allow) forward and backward on detached copies of this call's
+q, k, v (no parameter gradient is touched), timings MAX-reduced over the CP group, the noise rule
+against the documented fixed choice ``ring`` (Megatron's default ``p2p``), decisions cached in
+``COC_TUNE_CACHE`` with the hardware identity. ``COC_DETERMINISTIC=1``: cache only, else ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from coc_inject.context_parallel import attention
+
+BASELINE = "ring"
+
+
+@dataclass(frozen=True)
+class AttentionKey:
+    seq: int  # the whole sequence (all CP ranks)
+    batch: int
+    heads: int  # per tensor-parallel rank
+    groups: int
+    dim: int
+    dtype: str
+    causal: bool
+    cp: int
+    tp: int
+    device: str
+    backward: bool
+
+    def text(self) -> str:
+        return (f"attention seq {self.seq} batch {self.batch} heads {self.heads}/{self.groups} dim {self.dim} "
+                f"{self.dtype} {'causal' if self.causal else 'no mask'} CP{self.cp} TP{self.tp} {self.device}"
+                + ("" if self.backward else " forward-only"))
+
+    def cache_fields(self) -> list:
+        return ["attention", self.seq, self.batch, self.heads, self.groups, self.dim, self.dtype, self.causal,
+                self.cp, self.tp, self.device, self.backward]
+
+    def name(self, choice) -> str:
+        return choice
+
+
+def choose(tuner, plan, query, key, value, causal: bool, tp: int):
+    """The variant of ``plan`` for this call's shape (trials at the shape's first call)."""
+    s, b, heads, d = query.shape
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    decision_key = AttentionKey(s * plan.cp_size, b, heads, key.shape[2], d, str(query.dtype).replace("torch.", ""),
+                                causal, plan.cp_size, tp, query.device.type, backward)
+    by_name = {variant.describe(): variant for variant in plan.variants}
+
+    def trial(name):
+        inputs = [t.detach().clone().requires_grad_(backward) for t in (query, key, value)]
+        with torch.enable_grad() if backward else torch.no_grad():
+            out = attention.run(plan, by_name[name], *inputs, causal)
+            if backward:
+                torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    name = tuner.decide(decision_key, plan.cp_group, query.device, list(by_name), BASELINE, trial, group_name="CP")
+    return by_name[name]
