@@ -23,7 +23,7 @@ ARGS = ["--steps", str(STEPS), "--num-layers", "2", "--hidden-size", "64", "--nu
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("cp_e2e")
     launches = {
-        "cp1": (clean_env(), [], 1),
+        "cp1": (clean_env(OMP_NUM_THREADS="1"), [], 1),  # torchrun sets it for 2+ ranks only
         "ring": (clean_env(PYTHONPATH=str(SITE), COC_CP_ALGO="ring", COC_REPORT=str(work / "ring_{rank}.json")),
                  ["--context-parallel-size", "2"], 2),
         # CoC on for the linears: the attention follows Megatron's cp_comm_type (unset: p2p = ring).
