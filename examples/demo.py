@@ -34,10 +34,11 @@ LINK_MODEL = ["--seq-length", "256", "--micro-batch-size", "16", "--hidden-size"
 LINK_STEPS = 10
 
 
-def run(label, env, workdir, steps, link, extra_args):
+def run(label, env, workdir, steps, link, extra_args, name=None, ranks=2):
     print(f"== {label}", flush=True)
-    out = Path(workdir) / f"{label.split()[1].rstrip(':')}.json"
-    proc = torchrun(SCRIPT, ["--steps", str(steps), "--json", str(out), *extra_args], env, workdir, link)
+    out = Path(workdir) / f"{name or label.split()[1].rstrip(':')}.json"
+    proc = torchrun(SCRIPT, ["--steps", str(steps), "--json", str(out), *extra_args], env, workdir, link,
+                    ranks=ranks)
     if proc.returncode != 0:
         print(proc.stderr[-5000:], file=sys.stderr)
         raise SystemExit(f"demo: the {label} run failed (exit {proc.returncode})")
@@ -93,32 +94,218 @@ def print_decisions(report) -> None:
     print("layer calls by route: " + ", ".join(f"{route} {calls}" for route, calls in sorted(routes.items())))
 
 
+# Context-parallel part: a long sequence and a small model, so the attention is most of the work
+# (and, on the link, its key/value transfers of the same order as its compute); rope: no
+# position table. The same model on loopback and on the link, so CP=1 runs once.
+CP_SEQ = 2048
+CP_MODEL = ["--seq-length", str(CP_SEQ), "--micro-batch-size", "1", "--num-layers", "2", "--hidden-size", "256",
+            "--num-attention-heads", "4", "--ffn-hidden-size", "512", "--vocab-size", "256",
+            "--position-embedding-type", "rope"]
+CP_STEPS = 8
+MEMORY_BOUND = 0.55  # issue 15: per-rank attention memory at CP=2 <= 0.55 of CP=1
+RING_OVER_ALLGATHER = 1.10  # issue 15: a whole GPT step over the link, ring >= 1.10x allgather
+AUTO_WITHIN = 0.95  # issue 15: auto within 5% of the best fixed algorithm
+
+
+def cp_environment(algorithm, workdir, name):
+    """CP through the environment only (coc-inject's bootstrap, COC_CP_ALGO); a fresh tune cache."""
+    return clean_env(PYTHONPATH=str(SITE), COC_CP_ALGO=algorithm,
+                     COC_TUNE_CACHE=str(Path(workdir) / f"tune-{name}.json"),
+                     COC_REPORT=str(Path(workdir) / f"report-{name}-{{rank}}.json"))
+
+
+def cp_run(label, algorithm, workdir, steps, link=None, name=None, ranks=2):
+    name = name or algorithm
+    return run(label, cp_environment(algorithm, workdir, name), workdir, steps, link,
+               [*CP_MODEL, "--context-parallel-size", "2"], name=name, ranks=ranks)
+
+
+def mib(n_bytes) -> str:
+    return f"{n_bytes / 2**20:.2f} MiB"
+
+
+def steady(result) -> float:
+    """Median step time without step 1 (warm-up and auto's trials)."""
+    return statistics.median(result["step_times"][1:])
+
+
+def max_loss_diff(reference, result) -> float:
+    return max(abs(a - b) for a, b in zip(reference["losses"], result["losses"]))
+
+
+def loss_line(label, reference, results) -> bool:
+    worst = max(max_loss_diff(reference, r) for r in results)
+    print(f"losses {label} vs CP=1 {'EQUAL' if worst <= LOSS_BOUND else 'DIFFERENT'} within {LOSS_BOUND:g} "
+          f"(max |diff| {worst:.2e})")
+    return worst <= LOSS_BOUND
+
+
+def print_algorithms(workdir, name, ranks) -> None:
+    """The algorithm each attention layer ran on each rank (COC_REPORT: layers with route
+    context-parallel), with whatever else the report says of the layer (auto's decision)."""
+    per_layer = {}
+    for rank in range(ranks):
+        report = json.loads((Path(workdir) / f"report-{name}-{rank}.json").read_text())
+        for layer in report["layers"]:
+            if layer["route"] == "context-parallel":
+                per_layer.setdefault(layer["name"], []).append((rank, layer))
+    skip = {"name", "class", "route", "algorithm", "cp_size", "calls", "chunks"}
+    for layer_name, seen in sorted(per_layer.items()):
+        layer = seen[0][1]
+        algorithms = " / ".join(sorted({lay["algorithm"] for _, lay in seen}))
+        extra = {k: v for k, v in layer.items() if k not in skip and v not in (None, [], {}, "")}
+        print(f"  {layer_name}: {algorithms} (CP={layer['cp_size']}, {layer['calls']} calls; ranks "
+              f"{', '.join(str(rank) for rank, _ in seen)})" + (f" {json.dumps(extra)}" if extra else ""))
+
+
+def cp_loopback(workdir, steps, algorithm, tp2) -> tuple[bool, dict]:
+    print(f"\n### Part 3: context parallelism on Megatron's local attention, loopback: tiny GPT, seq {CP_SEQ}; "
+          f"CP=1 with Megatron's attention vs CP=2 through coc-inject, COC_CP_ALGO={algorithm}", flush=True)
+    print("Every rank runs one thread (OMP_NUM_THREADS=1; torchrun sets it only for 2+ processes per node, so "
+          "the 1-rank run gets it explicitly): CP=1 computes on one core, CP=2 on two.", flush=True)
+    cp1 = run("CP=1: Megatron's own attention, torchrun 1 rank", clean_env(OMP_NUM_THREADS="1"), workdir, steps,
+              None, CP_MODEL, name="cp1", ranks=1)
+    runs = [(f"CP=2 {algorithm}", "cp2", 2,
+             cp_run(f"CP=2: COC_CP_ALGO={algorithm}, torchrun 2 ranks, the same script + --context-parallel-size 2",
+                    algorithm, workdir, steps, name="cp2"))]
+    if tp2:
+        runs.append((f"TP2xCP2 {algorithm}", "tp2cp2", 4,
+                     cp_run(f"TP2xCP2: COC_CP_ALGO={algorithm}, torchrun 4 ranks (sequence parallel)", algorithm,
+                            workdir, steps, name="tp2cp2", ranks=4)))
+    print(f"\n{'step':>4}  {'loss, CP=1':>16}"
+          + "".join(f"  {'loss, ' + label:>22}  {'|diff|':>8}" for label, *_ in runs)
+          + f"  {'ms CP=1':>8}" + "".join(f"  {'ms ' + label:>16}" for label, *_ in runs))
+    for step in range(steps):
+        reference = cp1["losses"][step]
+        print(f"{step + 1:>4}  {reference:16.9f}"
+              + "".join(f"  {r['losses'][step]:22.9f}  {abs(reference - r['losses'][step]):8.1e}" for *_, r in runs)
+              + f"  {1e3 * cp1['step_times'][step]:8.1f}" + "".join(f"  {1e3 * r['step_times'][step]:16.1f}"
+                                                                     for *_, r in runs))
+    ok = True
+    base = max(cp1["attention_saved_bytes"])
+    print(f"\nattention memory kept for backward, per rank ({cp1['attention_layers']} DotProductAttention layers, "
+          f"step 2; saved_tensors_hooks inside the layers): CP=1 {mib(base)}")
+    for label, _, _, result in runs:
+        ratio = max(result["attention_saved_bytes"]) / base
+        ok &= ratio <= MEMORY_BOUND
+        per_rank = ", ".join(f"rank {r} {mib(b)}" for r, b in enumerate(result["attention_saved_bytes"]))
+        print(f"  {label}: {per_rank} -> {ratio:.3f} of CP=1 "
+              f"(target <= {MEMORY_BOUND}: {'met' if ratio <= MEMORY_BOUND else 'MISSED'})")
+    print("\nalgorithm per attention layer (COC_REPORT of every rank):")
+    for label, name, ranks, _ in runs:
+        print(f" {label}:")
+        print_algorithms(workdir, name, ranks)
+    print(f"\nmedian step time (steps 2..{steps}): CP=1 {1e3 * steady(cp1):.1f} ms"
+          + "".join(f", {label} {1e3 * steady(r):.1f} ms ({steady(cp1) / steady(r):.2f}x)" for label, *_, r in runs)
+          + f"; step 1 (warm-up, auto's trials): CP=1 {1e3 * cp1['step_times'][0]:.0f} ms"
+          + "".join(f", {label} {1e3 * r['step_times'][0]:.0f} ms" for label, *_, r in runs))
+    for label, *_, result in runs:
+        ok &= loss_line(label, cp1, [result])
+    return ok, cp1
+
+
+def cp_link(cp1, rate, steps, algorithms, rounds) -> bool:
+    from coc_inject.bench.link import EmulatedLink, LinkError
+
+    title = f"Part 4: context parallelism over an emulated {rate} link"
+    try:
+        EmulatedLink.check_available()
+    except LinkError as error:
+        print(f"\n{title} skipped: {error}")
+        return True
+    print(f"\n### {title}: CP=2, one rank per network namespace (one core each), COC_CP_ALGO = "
+          f"{', '.join(algorithms)}" + (f", interleaved, {rounds} rounds" if rounds > 1 else "")
+          + "; CP=1 is part 3's run (one core, nothing to send)", flush=True)
+    results = {algorithm: [] for algorithm in algorithms}
+    with tempfile.TemporaryDirectory() as workdir, EmulatedLink(rate) as link:
+        for round_ in range(rounds):
+            for algorithm in algorithms:
+                label = f"CP=2 over the link: COC_CP_ALGO={algorithm}" + (f", round {round_ + 1}" if rounds > 1 else "")
+                results[algorithm].append(cp_run(label, algorithm, workdir, steps, link, name=f"{algorithm}-{round_}"))
+        print(f"\n{'step':>4}  {'loss, CP=1':>16}" + "".join(f"  {'loss, ' + a:>16}" for a in algorithms)
+              + f"  {'ms CP=1':>8}" + "".join(f"  {'ms ' + a:>12}" for a in algorithms)
+              + ("   (round 1)" if rounds > 1 else ""))
+        for step in range(steps):
+            print(f"{step + 1:>4}  {cp1['losses'][step]:16.9f}"
+                  + "".join(f"  {results[a][0]['losses'][step]:16.9f}" for a in algorithms)
+                  + f"  {1e3 * cp1['step_times'][step]:8.1f}"
+                  + "".join(f"  {1e3 * results[a][0]['step_times'][step]:12.1f}" for a in algorithms))
+        print("\nalgorithm per attention layer (COC_REPORT of every rank" + (", round 1):" if rounds > 1 else "):"))
+        for algorithm in algorithms:
+            print(f" COC_CP_ALGO={algorithm}:")
+            print_algorithms(workdir, f"{algorithm}-0", 2)
+    # Medians over every round's steps 2..n; each round's ratio from that round's two medians.
+    medians = {a: statistics.median(t for r in rs for t in r["step_times"][1:]) for a, rs in results.items()}
+    print(f"\nmedian step time over the link (steps 2..{steps}" + (", all rounds" if rounds > 1 else "") + "): "
+          + ", ".join(f"{a} {1e3 * m:.1f} ms" for a, m in medians.items())
+          + f"; CP=1 on one core, no link: {1e3 * steady(cp1):.1f} ms")
+    if {"ring", "allgather"} <= set(algorithms):
+        ratio = medians["allgather"] / medians["ring"]
+        per_round = [steady(g) / steady(r) for r, g in zip(results["ring"], results["allgather"])]
+        print(f"ring vs allgather, whole step: {ratio:.3f}x (allgather / ring; per round "
+              f"{', '.join(f'{x:.3f}' for x in per_round)}); target >= {RING_OVER_ALLGATHER}x: "
+              f"{'met' if ratio >= RING_OVER_ALLGATHER else 'missed'}")
+        for other in (a for a in algorithms if a not in ("ring", "allgather")):
+            best = min(("ring", "allgather"), key=medians.get)
+            within = medians[best] / medians[other]
+            print(f"{other} vs the best fixed algorithm ({best}): {within:.3f}x "
+                  f"(within 5%: {'yes' if within >= AUTO_WITHIN else 'no'})")
+    ok = True
+    for algorithm, rs in results.items():
+        ok &= loss_line(f"CP=2 {algorithm}", cp1, rs)
+    return ok
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="loopback training steps (default 30)")
     parser.add_argument("--chunks", default="auto", help="COC_PARALLEL_NUM of the CoC runs (default auto)")
     parser.add_argument("--link-rate", default="1gbit", help="rate of the emulated link (default 1gbit)")
-    parser.add_argument("--no-link", action="store_true", help="skip the emulated-link part")
-    parser.add_argument("script_args", nargs="*", help="extra arguments for the training script")
+    parser.add_argument("--no-link", action="store_true", help="skip the emulated-link parts")
+    parser.add_argument("--part", choices=("all", "coc", "cp"), default="all",
+                        help="coc: parts 1-2 (CoC on the linears); cp: parts 3-4 (context parallelism)")
+    parser.add_argument("--cp-steps", type=int, default=CP_STEPS, help=f"steps of the CP runs (default {CP_STEPS})")
+    parser.add_argument("--cp-algo", default="auto", help="COC_CP_ALGO of part 3's CP=2 runs (default auto)")
+    parser.add_argument("--cp-link-algos", default="auto",
+                        help="comma-separated COC_CP_ALGO values of part 4's CP=2 runs over the link, run "
+                             "interleaved (default auto; ring,allgather,auto measures ring against allgather)")
+    parser.add_argument("--cp-rounds", type=int, default=1, help="rounds of part 4's interleaved runs (default 1)")
+    parser.add_argument("--cp-tp2", action="store_true", help="part 3 also runs TP2xCP2 on 4 ranks")
+    parser.add_argument("script_args", nargs="*", help="extra arguments for the training script (parts 1-2)")
     args = parser.parse_args(argv)
 
+    ok = True
+    if args.part in ("all", "coc"):
+        ok &= coc_parts(args)
+    if args.part in ("all", "cp"):
+        with tempfile.TemporaryDirectory() as workdir:
+            cp_ok, cp1 = cp_loopback(workdir, args.cp_steps, args.cp_algo, args.cp_tp2)
+        ok &= cp_ok
+        if args.no_link:
+            print("\nPart 4 skipped: --no-link")
+        else:
+            ok &= cp_link(cp1, args.link_rate, args.cp_steps, args.cp_link_algos.split(","), args.cp_rounds)
+    return 0 if ok else 1
+
+
+def coc_parts(args) -> bool:
     with tempfile.TemporaryDirectory() as workdir:
         ok = compare("Part 1: loopback (two ranks on this machine's cores)", workdir, args.steps, None,
                      args.script_args, args.chunks)
     if args.no_link:
         print("\nPart 2 skipped: --no-link")
-        return 0 if ok else 1
+        return ok
     from coc_inject.bench.link import EmulatedLink, LinkError
 
     try:
         EmulatedLink.check_available()
     except LinkError as error:
         print(f"\nPart 2 (emulated {args.link_rate} link) skipped: {error}")
-        return 0 if ok else 1
+        return ok
     with tempfile.TemporaryDirectory() as workdir, EmulatedLink(args.link_rate) as link:
         ok &= compare(f"Part 2: emulated {args.link_rate} link between the ranks (one core each), larger model",
                       workdir, LINK_STEPS, link, args.script_args or LINK_MODEL, args.chunks)
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@
 
 An ordinary (if small) Megatron-core training loop: ``GPTModel`` built from the local layer
 spec, tensor-parallel size = world size / context-parallel size (``--context-parallel-size``,
-default 1), sequence parallelism on (``--no-sequence-parallel`` turns it off), pipeline
-parallelism 1, gloo on CPU. With context parallelism each rank keeps its share of the sequence
-the way Megatron-LM's training loop cuts it (``get_batch_on_this_cp_rank``: 2*CP chunks, CP rank r
+default 1), sequence parallelism on where TP > 1 (``--no-sequence-parallel`` turns it off; off at
+TP 1, as Megatron-LM's arguments do), pipeline parallelism 1, gloo on CPU. With context
+parallelism each rank keeps its share of the sequence the way Megatron-LM's training loop cuts it (``get_batch_on_this_cp_rank``: 2*CP chunks, CP rank r
 keeps r and 2*CP-1-r; the mask's rows too), its loss is the sum of its token losses over the
 global token count, and gradients are summed over the context-parallel group (what Megatron's
 DDP does over its data-and-context-parallel group). Megatron's local attention refuses CP by
@@ -17,8 +17,11 @@ sequence-parallel parameters over the tensor-parallel group (what Megatron's
 ``finalize_model_grads`` does) and steps ``torch.optim.Adam``. Dropout is 0, so two runs give
 the same losses bit for bit.
 
-Rank 0 prints one line per step and a summary; ``--json PATH`` also writes the losses and step
-times there.
+Rank 0 prints one line per step and a summary; ``--json PATH`` also writes the losses, the step
+times and, per rank, the bytes the attention layers keep for backward there. That figure is
+measured in the second step, generically: forward pre/post hooks on every ``DotProductAttention``
+module mark "inside an attention", and a ``torch.autograd.graph.saved_tensors_hooks`` pack hook
+counts the distinct storages autograd saves meanwhile (whatever computes the attention).
 
 Megatron-core assumes CUDA. The few ``CPU shim`` blocks below let it run on a CPU-only
 machine; they are part of this example's platform setup only.
@@ -37,6 +40,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -63,6 +67,40 @@ class CpuLayerNorm(torch.nn.LayerNorm):
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         for param in (self.weight, self.bias):
             param.sequence_parallel = config.sequence_parallel
+
+
+class AttentionMemory:
+    """Bytes kept for backward by the attention cores: distinct storages that autograd saves while
+    inside a ``DotProductAttention`` forward (``with memory.counting(): forward``)."""
+
+    def __init__(self, model):
+        self.inside = 0
+        self.storages = {}
+        self.layers = 0
+        for module in model.modules():
+            if isinstance(module, DotProductAttention):
+                module.register_forward_pre_hook(self._enter)
+                module.register_forward_hook(self._leave)
+                self.layers += 1
+
+    def _enter(self, module, args):
+        self.inside += 1
+
+    def _leave(self, module, args, output):
+        self.inside -= 1
+
+    def _pack(self, tensor):
+        if self.inside:
+            storage = tensor.untyped_storage()
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def counting(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
 
 
 def parse_args():
@@ -169,6 +207,8 @@ def main():
     if world_size % cp_size:
         raise SystemExit(f"--context-parallel-size {cp_size} must divide the world size {world_size}")
     tp_size = world_size // cp_size
+    if tp_size == 1:  # as Megatron-LM's arguments do: no sequence parallelism without tensor parallelism
+        args.sequence_parallel = False
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, context_parallel_size=cp_size,
                                              pipeline_model_parallel_size=1)
     tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -194,6 +234,10 @@ def main():
     model = build_model(args, tp_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    attention_memory = AttentionMemory(model)
+    # Counted in step 2, not step 1: whatever runs only at a first call (warm-up, trials) is no
+    # part of what a training step keeps.
+    memory_step = min(2, args.steps)
 
     s = args.seq_length
     position_ids = torch.arange(s).unsqueeze(0).expand(args.micro_batch_size, s)
@@ -216,7 +260,11 @@ def main():
         mask = on_this_cp_rank(attention_mask, 2, cp_size, cp_rank)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        per_token_loss = model(tokens, positions, mask, labels=labels)  # [b, s / CP]
+        if step == memory_step:  # the attention's saved bytes, counted in one step
+            with attention_memory.counting():
+                per_token_loss = model(tokens, positions, mask, labels=labels)
+        else:
+            per_token_loss = model(tokens, positions, mask, labels=labels)  # [b, s / CP]
         loss = (per_token_loss * loss_mask).sum() / tokens_in_batch
         loss.backward()
         # Each rank holds the gradient of its own sequence shard: sum over the context-parallel
@@ -238,17 +286,24 @@ def main():
             print(f"step {step:>2} | loss {losses[-1]:.9f} | step time "
                   f"{step_times[-1] * 1e3:.1f} ms", flush=True)
     wall = time.perf_counter() - run_start
+    saved = [None] * world_size
+    dist.all_gather_object(saved, attention_memory.bytes)
 
     if rank == 0:
         later = step_times[1:] or step_times
         print(f"done: {args.steps} steps | loss {losses[0]:.6f} -> {losses[-1]:.6f} | "
               f"median step time {statistics.median(later) * 1e3:.1f} ms (after step 1) | "
               f"loop {wall:.2f} s", flush=True)
+        per_rank = ", ".join(f"rank {r} {b / 2**20:.2f} MiB" for r, b in enumerate(saved))
+        print(f"attention memory kept for backward ({attention_memory.layers} DotProductAttention layers, "
+              f"step {memory_step}): {per_rank}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"losses": losses, "step_times": step_times, "world_size": world_size,
                            "tensor_parallel": tp_size, "context_parallel": cp_size,
-                           "sequence_parallel": args.sequence_parallel, "args": vars(args)},
+                           "sequence_parallel": args.sequence_parallel,
+                           "attention_layers": attention_memory.layers, "attention_saved_bytes": saved,
+                           "args": vars(args)},
                           f, indent=1)
     dist.destroy_process_group()
 
