@@ -237,3 +237,21 @@ def attention_call_error(tp, cp, coc, **call):
     except Exception as error:  # noqa: BLE001
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def subclass_with_own_forward_error(coc):
+    """A DotProductAttention subclass that overrides forward, built with CP=2: Megatron's own refusal."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class OwnForward(DotProductAttention):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    setup(1, 2, coc)
+    config = build_gpt(1, 2, layers=1).config
+    try:
+        OwnForward(config, 1, AttnMaskType.causal, "self")
+    except AssertionError as error:
+        return str(error)
+    return None

@@ -216,3 +216,8 @@ def test_auto_on_some_ranks_and_a_fixed_algorithm_on_others_fails_alike(pool):
     coc = [{"cp_algo": "auto", "tune_cache": None}, {"cp_algo": "ring"}] * 2
     errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error", [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
     assert all(e is not None and "differs across the ranks" in e for e in errors), errors
+
+
+def test_a_subclass_with_its_own_forward_keeps_megatrons_refusal(pool):
+    errors = pool.run("tests.cp_gpt_cases:subclass_with_own_forward_error", coc={"cp_algo": "ring"})
+    assert all(e is not None and "only supported by TEDotProductAttention" in e for e in errors), errors

@@ -63,7 +63,9 @@ def _patch_attention(cls, config) -> None:
     def __init__(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs).arguments
         megatron_config = bound["config"]
-        if megatron_config.context_parallel_size == 1:
+        # A subclass with a forward of its own would run that forward, not the CP one: it keeps
+        # Megatron's __init__, whose assertion refuses CP > 1.
+        if megatron_config.context_parallel_size == 1 or type(self).forward is not cls.__dict__["forward"]:
             self._coc_cp = None
             return original_init(self, *args, **kwargs)
         pgs = bound.get("pg_collection") or bound.get("model_comm_pgs")
