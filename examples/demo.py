@@ -11,9 +11,23 @@ be set up (root, `ip` and `tc`), runs the same comparison with the two ranks as 
 sized so communication matters (LINK_MODEL: 4096 rows per step); otherwise one line says why it
 is skipped.
 
-    python examples/demo.py [--steps 30] [--link-rate 1gbit] [--no-link] [--chunks N]
+Parts 3 and 4: context parallelism on Megatron's local attention. The same script with a long
+sequence (CP_MODEL: seq 2048) at CP=1 (1 rank, Megatron's own attention) and at CP=2 (2 ranks,
+``--context-parallel-size 2``, coc-inject armed by ``COC_CP_ALGO=auto`` only). Prints the losses
+side by side (equal within 1e-5), the bytes the attention layers keep for backward per rank (the
+script's own count) and its ratio to CP=1, the step times, and the algorithm each attention
+layer ran (COC_REPORT of every rank, with auto's decisions). Part 4 runs the CP=2 job over the
+emulated link with ``COC_CP_ALGO`` = ring, allgather and auto, interleaved (``--cp-rounds N``
+repeats the three), against the same CP=1 run; else one line says why it is skipped. Every rank
+runs one thread: torchrun sets OMP_NUM_THREADS=1 only for 2+ processes per node, so the 1-rank
+CP=1 run gets it explicitly.
 
-``--chunks N`` compares a fixed chunk count instead of auto.
+    python examples/demo.py [--steps 30] [--link-rate 1gbit] [--no-link] [--chunks N]
+                            [--part all|coc|cp] [--cp-steps 6] [--cp-rounds 1] [--cp-algo auto]
+                            [--cp-link-algos ring,allgather,auto] [--cp-tp2]
+
+``--chunks N`` compares a fixed chunk count instead of auto; ``--cp-tp2`` adds a TP2xCP2 run on
+4 ranks to part 3.
 """
 
 import argparse
@@ -101,7 +115,7 @@ CP_SEQ = 2048
 CP_MODEL = ["--seq-length", str(CP_SEQ), "--micro-batch-size", "1", "--num-layers", "2", "--hidden-size", "256",
             "--num-attention-heads", "4", "--ffn-hidden-size", "512", "--vocab-size", "256",
             "--position-embedding-type", "rope"]
-CP_STEPS = 8
+CP_STEPS = 6
 MEMORY_BOUND = 0.55  # issue 15: per-rank attention memory at CP=2 <= 0.55 of CP=1
 RING_OVER_ALLGATHER = 1.10  # issue 15: a whole GPT step over the link, ring >= 1.10x allgather
 AUTO_WITHIN = 0.95  # issue 15: auto within 5% of the best fixed algorithm
@@ -142,13 +156,16 @@ def loss_line(label, reference, results) -> bool:
 
 def print_algorithms(workdir, name, ranks) -> None:
     """The algorithm each attention layer ran on each rank (COC_REPORT: layers with route
-    context-parallel), with whatever else the report says of the layer (auto's decision)."""
-    per_layer = {}
+    context-parallel) and, with COC_CP_ALGO=auto, each attention key's decision (its trial times)."""
+    per_layer, decisions = {}, []
     for rank in range(ranks):
         report = json.loads((Path(workdir) / f"report-{name}-{rank}.json").read_text())
         for layer in report["layers"]:
             if layer["route"] == "context-parallel":
                 per_layer.setdefault(layer["name"], []).append((rank, layer))
+        decisions.append([(d["key"], d["algorithm"]) for d in report.get("attention_decisions") or []])
+        if rank == 0:
+            shown = report.get("attention_decisions") or []
     skip = {"name", "class", "route", "algorithm", "cp_size", "calls", "chunks"}
     for layer_name, seen in sorted(per_layer.items()):
         layer = seen[0][1]
@@ -156,6 +173,13 @@ def print_algorithms(workdir, name, ranks) -> None:
         extra = {k: v for k, v in layer.items() if k not in skip and v not in (None, [], {}, "")}
         print(f"  {layer_name}: {algorithms} (CP={layer['cp_size']}, {layer['calls']} calls; ranks "
               f"{', '.join(str(rank) for rank, _ in seen)})" + (f" {json.dumps(extra)}" if extra else ""))
+    for decision in shown:
+        times = ", ".join(f"{a} {t:.1f}" for a, t in decision.get("times_ms", {}).items())
+        print(f"  auto: {decision['key']} -> {decision['algorithm']} ({decision['source']}"
+              + (f"; ms fwd+bwd, max over the CP group: {times}" if times else "") + ")")
+    if shown:
+        same = all(d == decisions[0] for d in decisions)
+        print(f"  auto's decisions {'identical' if same else 'DIFFERENT'} on all {ranks} ranks")
 
 
 def cp_loopback(workdir, steps, algorithm, tp2) -> tuple[bool, dict]:
@@ -266,9 +290,9 @@ def main(argv=None) -> int:
                         help="coc: parts 1-2 (CoC on the linears); cp: parts 3-4 (context parallelism)")
     parser.add_argument("--cp-steps", type=int, default=CP_STEPS, help=f"steps of the CP runs (default {CP_STEPS})")
     parser.add_argument("--cp-algo", default="auto", help="COC_CP_ALGO of part 3's CP=2 runs (default auto)")
-    parser.add_argument("--cp-link-algos", default="auto",
+    parser.add_argument("--cp-link-algos", default="ring,allgather,auto",
                         help="comma-separated COC_CP_ALGO values of part 4's CP=2 runs over the link, run "
-                             "interleaved (default auto; ring,allgather,auto measures ring against allgather)")
+                             "interleaved (default ring,allgather,auto)")
     parser.add_argument("--cp-rounds", type=int, default=1, help="rounds of part 4's interleaved runs (default 1)")
     parser.add_argument("--cp-tp2", action="store_true", help="part 3 also runs TP2xCP2 on 4 ranks")
     parser.add_argument("script_args", nargs="*", help="extra arguments for the training script (parts 1-2)")
