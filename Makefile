@@ -27,8 +27,9 @@ LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_pat
 CP_SUITES := tests/test_cp_gpt.py
 
 LINK ?= 1gbit
+ROUNDS ?= 3
 
-.PHONY: demo demo-link test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory clean
+.PHONY: demo demo-link demo-cp test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -36,6 +37,11 @@ demo: $(VENV)/.installed
 # make demo runs its emulated-link part over $(LINK) (root); this one runs it at another rate.
 demo-link: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py --link-rate $(LINK)
+
+# make demo's context-parallel parts alone, the link's CP=2 runs (ring, allgather, auto)
+# interleaved over $(ROUNDS) rounds: the ring vs allgather figure of benchmarks/RESULTS.md.
+demo-cp: $(VENV)/.installed
+	$(VENV)/bin/python examples/demo.py --part cp --cp-rounds $(ROUNDS) --link-rate $(LINK)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/coc-inject bench
