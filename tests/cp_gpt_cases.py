@@ -111,7 +111,6 @@ def cp_slice(tensor, dim, cp, cp_rank):
 
 def _skew_trials(name, seconds):
     """This rank's trial runs of the algorithm ``name`` take ``seconds`` longer (a real delay)."""
-    from coc_inject.config import CocConfig  # noqa: F401 - the tuner exists once install() ran
     from coc_inject.tuning import Tuner, cache_for
 
     config = install._state["config"]

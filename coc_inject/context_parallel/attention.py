@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coc_inject.context_parallel import groups as cp_groups
 from coc_inject.context_parallel import layout
 from coc_inject.context_parallel.function import ContextParallelAttention
 from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, RING, ULYSSES, make_schedule
