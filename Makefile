@@ -29,7 +29,7 @@ CP_SUITES := tests/test_cp_gpt.py
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory clean
+.PHONY: demo demo-link demo-cp test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -68,6 +68,13 @@ bench-accounting: $(VENV)/.installed
 
 bench-cp-memory: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/cp_memory.py
+
+# Context-parallel core attention, every algorithm (CP=2 and 4 on loopback; CP=2 over the link).
+bench-attention: $(VENV)/.installed
+	$(VENV)/bin/coc-inject bench --cases attention --reps 30 --out benchmarks/out/attention-loopback
+
+bench-attention-link: $(VENV)/.installed
+	$(VENV)/bin/coc-inject bench --cases attention --link $(LINK) --reps 30 --out benchmarks/out/attention-link-$(LINK)
 
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
 # requirements when $(2) skips them) + this package (a regular, non-editable install:

@@ -190,7 +190,7 @@ def write_png(path: Path, summary: dict, results: list, title: str) -> str | Non
                      "rings: dashed = serial C+M, green = pipelining ideal", fontsize=9)
         ax.legend(fontsize=8)
     _timeline(axes[-1], results[0])
-    figure.suptitle(title, fontsize=8)
+    figure.suptitle(title.replace("; seq", ";\nseq", 1), fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     attention = parser.add_argument_group("attention case (--cases attention)")
     attention.add_argument("--cp", nargs="+", type=int, help="context-parallel sizes, one local rank each "
                            "(default: 2 4 on loopback, 2 with --link)")
-    attention.add_argument("--seq", type=int, default=2048, help="whole sequence length (default 2048)")
+    attention.add_argument("--seq", type=int, default=2048, help="whole sequence length (default 2048: compute "
+                           "and transfers of the same order over the emulated 1 gbit link, one thread per rank)")
     attention.add_argument("--batch", type=int, default=1)
     attention.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
     attention.add_argument("--kv-groups", type=int, default=8, help="key/value groups (default 8: no GQA)")
