@@ -18,8 +18,8 @@ def auto_variant(*, case, chunks, reps, tune_cache, slow=(), slow_rank=1, second
     decide, chunks_for = tuning.Tuner._decide, tuning.Tuner.chunks
     made = []
 
-    def counting_decide(self, key, group, device, rows, run):
-        decision = decide(self, key, group, device, rows, run)
+    def counting_decide(self, key, group, device, *args):
+        decision = decide(self, key, group, device, *args)
         made.append((key.case, decision.chunks, decision.source))
         return decision
 
