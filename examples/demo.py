@@ -263,6 +263,10 @@ def cp_link(cp1, rate, steps, algorithms, rounds) -> bool:
     print(f"\nmedian step time over the link (steps 2..{steps}" + (", all rounds" if rounds > 1 else "") + "): "
           + ", ".join(f"{a} {1e3 * m:.1f} ms" for a, m in medians.items())
           + f"; CP=1 on one core, no link: {1e3 * steady(cp1):.1f} ms")
+    base = max(cp1["attention_saved_bytes"])
+    print("attention memory kept for backward, largest rank: "
+          + ", ".join(f"{a} {mib(max(rs[0]['attention_saved_bytes']))} "
+                      f"({max(rs[0]['attention_saved_bytes']) / base:.3f} of CP=1)" for a, rs in results.items()))
     if {"ring", "allgather"} <= set(algorithms):
         ratio = medians["allgather"] / medians["ring"]
         per_round = [steady(g) / steady(r) for r, g in zip(results["ring"], results["allgather"])]
