@@ -25,8 +25,11 @@ def test_every_algorithm_the_shape_allows_is_measured(bench_json):
     payload, stdout, out = bench_json
     summary = payload["summary"]
     assert set(summary) == {"CP=2", "CP=4"}
-    assert list(summary["CP=2"]["variants"]) == ["ring", "ulysses", "allgather"]
-    assert list(summary["CP=4"]["variants"]) == ["ring", "double-ring w=2", "ulysses", "hybrid u=2", "allgather"]
+    assert list(summary["CP=2"]["variants"]) == ["ring", "ulysses", "allgather", "auto"]
+    assert list(summary["CP=4"]["variants"]) == ["ring", "double-ring w=2", "ulysses", "hybrid u=2", "allgather",
+                                                 "auto"]
+    for case in summary.values():  # auto ran one of the fixed algorithms, chosen by the engine's tuner
+        assert case["variants"]["auto"]["chosen"] in set(case["variants"]) - {"auto"}
     assert set(summary["CP=4"]["rings"]) == {"ring", "double-ring w=2"}
     for case in summary.values():
         for name, row in case["variants"].items():
@@ -37,6 +40,7 @@ def test_every_algorithm_the_shape_allows_is_measured(bench_json):
         assert all(len(times["forward"]) == len(times["backward"]) == 2 for times in raw["times"].values())
     assert (out / "attention.png").stat().st_size > 0
     assert "ring fwd_bwd" in stdout and "target: ring fwd+bwd >= 1.25x" in stdout
+    assert "target: auto fwd+bwd within 5% of the best fixed algorithm at CP=2" in stdout
 
 
 def test_compute_communication_and_ideal_are_consistent(bench_json):

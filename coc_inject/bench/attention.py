@@ -263,6 +263,22 @@ def timeline(schedule, inputs, timer) -> list:
     return {"events": events, "backward_began": ms(backward_began), "end": ms(ended)}
 
 
+AUTO = "auto"
+
+
+def _auto_choice(schedules, variants, inputs, timer, args, cp, device) -> str:
+    """COC_CP_ALGO=auto's decision for this shape, made by the engine's own tuner (trials forward
+    and backward, MAX over the ranks, the noise rule against ring); no cache: decided afresh."""
+    from coc_inject.config import CocConfig
+    from coc_inject.context_parallel.auto import BASELINE, AttentionKey
+    from coc_inject.tuning import Tuner
+
+    key = AttentionKey(args.seq, args.batch, args.heads, args.kv_groups, args.head_dim, "float32", True, cp, 1,
+                       device.type, True)
+    return Tuner(CocConfig(), None).decide(key, schedules[BASELINE].cp_group, device, [v.name for v in variants],
+                                           BASELINE, lambda name: _call(schedules[name], inputs, timer), "CP")
+
+
 def run_rank(args, device) -> dict | None:
     """Everything one rank measures at CP = world size; rank 0 returns the raw results."""
     import torch
@@ -283,7 +299,13 @@ def run_rank(args, device) -> dict | None:
         memory[variant.name], outputs[variant.name] = saved_bytes(schedules[variant.name], inputs)
     diff = {name: float((out - outputs["allgather"]).abs().max()) for name, out in outputs.items()}
 
-    runs = [(v.name, None) for v in variants]
+    progress(f"CP={cp}: auto's trials")
+    choice = _auto_choice(schedules, variants, inputs, timer, args, cp, device)
+    schedules[AUTO], memory[AUTO], diff[AUTO] = schedules[choice], memory[choice], diff[choice]
+    reported = [*(v.__dict__ for v in variants),
+                {"name": AUTO, "algorithm": AUTO, "window": 1, "ulysses": 1, "chosen": choice}]
+
+    runs = [(v.name, None) for v in variants] + [(AUTO, None)]
     runs += [(v.name, kind) for v in ring_variants for kind in (COMPUTE_ONLY, COMM_ONLY)]
     times = {f"{name}:{kind}" if kind else name: {"forward": [], "backward": []} for name, kind in runs}
     steps = {f"{v.name}:{kind}": [] for v in ring_variants for kind in (COMPUTE_ONLY, COMM_ONLY)}
@@ -311,10 +333,10 @@ def run_rank(args, device) -> dict | None:
     if rank != 0:
         return None
     sys.stderr.write("\n")
-    return {"cp": cp, "variants": [v.__dict__ for v in variants], "times": times, "steps": steps,
+    return {"cp": cp, "variants": reported, "times": times, "steps": steps,
             "ring_sizes": {v.name: schedules[v.name].ring.size for v in ring_variants},
-            "memory_bytes": {v.name: [r["memory"][v.name] for r in everyone] for v in variants},
-            "max_abs_diff_vs_allgather": {v.name: max(r["diff"][v.name] for r in everyone) for v in variants},
+            "memory_bytes": {v["name"]: [r["memory"][v["name"]] for r in everyone] for v in reported},
+            "max_abs_diff_vs_allgather": {v["name"]: max(r["diff"][v["name"]] for r in everyone) for v in reported},
             "timeline": ring_timeline, "threads": torch.get_num_threads()}
 
 
