@@ -23,7 +23,7 @@ SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/
 # What runs on the older releases: the suites that touch Megatron's layers or launch a job.
 LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_patching.py \
 	tests/test_megatron_guards.py tests/test_injection_e2e.py tests/test_tuning.py tests/test_coverage.py
-# Context parallelism on the older releases: the CP=2 GPT cases and the error cases (COC_CP_TESTS=quick).
+# Context parallelism on the older releases: the CP=2 GPT cases and the construction errors (COC_CP_TESTS=quick).
 CP_SUITES := tests/test_cp_gpt.py
 
 LINK ?= 1gbit

@@ -26,8 +26,6 @@ def runs(tmp_path_factory):
         "cp1": (clean_env(OMP_NUM_THREADS="1"), [], 1),  # torchrun sets it for 2+ ranks only
         "ring": (clean_env(PYTHONPATH=str(SITE), COC_CP_ALGO="ring", COC_REPORT=str(work / "ring_{rank}.json")),
                  ["--context-parallel-size", "2"], 2),
-        # CoC on for the linears: the attention follows Megatron's cp_comm_type (unset: p2p = ring).
-        "coc_on": (clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="2"), ["--context-parallel-size", "2"], 2),
         "mindspeed_flags": (clean_env(PYTHONPATH=str(SITE)), ["--context-parallel-size", "2", "--context-parallel-algo",
                                                                "ulysses_cp_algo", "--use-cp-send-recv-overlap"], 2),
     }
@@ -39,7 +37,7 @@ def runs(tmp_path_factory):
     return work, results
 
 
-@pytest.mark.parametrize("name", ["ring", "coc_on", "mindspeed_flags"])
+@pytest.mark.parametrize("name", ["ring", "mindspeed_flags"])
 def test_losses_equal_cp1(runs, name):
     _, results = runs
     want, got = results["cp1"][1]["losses"], results[name][1]["losses"]
@@ -47,7 +45,7 @@ def test_losses_equal_cp1(runs, name):
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
 
 
-@pytest.mark.parametrize("name,algorithm", [("ring", "ring"), ("coc_on", "ring"), ("mindspeed_flags", "ulysses")])
+@pytest.mark.parametrize("name,algorithm", [("ring", "ring"), ("mindspeed_flags", "ulysses")])
 def test_banner_and_first_step_summary_say_what_ran(runs, name, algorithm):
     proc, _ = runs[1][name]
     assert "context parallelism installed on DotProductAttention" in proc.stderr
