@@ -177,7 +177,8 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
         {"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
         for key, d in tuner.decisions.items()]
     return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "algorithms": algorithms, "decisions": decisions}
+            "algorithms": algorithms, "decisions": decisions,
+            "cp_ranks": list(parallel_state.get_context_parallel_global_ranks())}
 
 
 def saved_attention_bytes(tp, cp, coc=None, seq=256, b=1, heads=4, dim=16):
