@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from coc_inject.bench.saved import SavedBytes
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import groups, install, layout
 
@@ -196,17 +197,10 @@ def saved_attention_bytes(tp, cp, coc=None, seq=256, b=1, heads=4, dim=16):
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
     if cp > 1:
         mask = cp_slice(mask, 2, cp, parallel_state.get_context_parallel_rank())
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedBytes() as saved:
         out = layer(q, k, v, mask, attn_mask_type=AttnMaskType.causal)
     out.sum().backward()  # it must still run backward
-    return sum(saved.values())
+    return saved.total
 
 
 def expect_error(tp, cp, coc, what="build", **model_kwargs):

@@ -219,23 +219,15 @@ def _steps(trace: _Trace) -> dict:
 def saved_bytes(schedule, inputs) -> tuple:
     """(bytes kept for backward by one call -- distinct storages through saved_tensors_hooks --,
     the output) ; backward still runs, so every rank's transfers pair up."""
-    import torch
-
+    from coc_inject.bench.saved import SavedBytes
     from coc_inject.context_parallel.function import ContextParallelAttention
 
     q, k, v, dout = inputs
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with SavedBytes() as saved:
         out = ContextParallelAttention.apply(*leaves, schedule)
     out.backward(dout)
-    return sum(saved.values()), out.detach()
+    return saved.total, out.detach()
 
 
 def timeline(schedule, inputs, timer) -> list:
