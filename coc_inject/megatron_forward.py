@@ -189,7 +189,7 @@ class CocEngine:
 
     def ensure_agreement(self, group, device):
         """The once-per-group cross-rank config check (runs on the first CoC call anyway)."""
-        agreement.ensure_same_config(group, self.config.fingerprint(), device, str(self.config.describe()))
+        agreement.ensure_same_config(group, self.config, device)
 
     # -- auto (COC_PARALLEL_NUM=auto) --------------------------------------------------------
     def _tuned(self, layer, case: str, shape: tuple, inputs: tuple, weight, group, rows: int, kernel,

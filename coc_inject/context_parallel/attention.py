@@ -262,18 +262,15 @@ def mask_is_causal(plan: LayerCP, query, attention_mask, mask_type) -> bool:
     return is_causal(plan, mask_type, attention_mask, layout.rank_chunks(plan.cp_group.rank(), plan.cp_size), s // 2)
 
 
-def init_signature(original_init):
-    return inspect.signature(original_init)
-
-
-def megatron_init(original_init, signature, layer, args, kwargs):
-    """Run Megatron's __init__ with a CP=1 copy of the config; returns the bound arguments."""
-    bound = signature.bind(layer, *args, **kwargs)
-    config = bound.arguments["config"]
+def megatron_init(original_init, arguments: inspect.BoundArguments, layer) -> None:
+    """Run Megatron's __init__ (``arguments`` bound to its signature) with a CP=1 copy of the config,
+    then give the layer the real config back."""
+    config = arguments.arguments["config"]
     proxy = copy.copy(config)
     proxy.context_parallel_size = 1
-    bound.arguments["config"] = proxy
-    original_init(*bound.args, **bound.kwargs)
+    arguments.arguments["config"] = proxy
+    try:
+        original_init(*arguments.args, **arguments.kwargs)
+    finally:
+        arguments.arguments["config"] = config
     layer.config = config
-    bound.arguments["config"] = config
-    return bound.arguments

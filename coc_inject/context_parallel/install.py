@@ -11,15 +11,12 @@ the two post-import hooks that do it (registered by bootstrap).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 
 from coc_inject import job, log, megatron_version
 from coc_inject.context_parallel import attention, groups
-
-ATTENTION_MODULE = "megatron.core.transformer.dot_product_attention"
-PARALLEL_STATE_MODULE = "megatron.core.parallel_state"
-ROUTE = "context-parallel"
 
 _originals: dict = {}  # (owner, attribute name) -> original
 _state = {"config": None, "coverage": None, "tuner": None}
@@ -28,10 +25,6 @@ _state = {"config": None, "coverage": None, "tuner": None}
 def _patch(owner, name, replacement) -> None:
     _originals[(owner, name)] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
     setattr(owner, name, replacement)
-
-
-def is_installed() -> bool:
-    return bool(_originals)
 
 
 def install(config, attention_module=None, parallel_state=None, coverage=None) -> None:
@@ -56,12 +49,13 @@ def uninstall() -> None:
 
 def _patch_attention(cls, config) -> None:
     original_init, original_forward = cls.__dict__["__init__"], cls.__dict__["forward"]
-    signature = attention.init_signature(original_init)
+    signature = inspect.signature(original_init)
     from megatron.core import parallel_state
 
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs).arguments
+        arguments = signature.bind(self, *args, **kwargs)
+        bound = arguments.arguments
         megatron_config = bound["config"]
         # A subclass with a forward of its own would run that forward, not the CP one: it keeps
         # Megatron's __init__, whose assertion refuses CP > 1.
@@ -74,7 +68,7 @@ def _patch_attention(cls, config) -> None:
             config, megatron_config, bound["layer_number"], bound.get("cp_comm_type"),
             bound.get("attention_dropout"), cp_group,
             lambda degree: groups.ulysses_group(degree, megatron_config, parallel_state))
-        attention.megatron_init(original_init, signature, self, args, kwargs)
+        attention.megatron_init(original_init, arguments, self)
         softmax_coefficient = getattr(self.scale_mask_softmax, "scale", None) or 1.0
         plan.scale = self.softmax_scale * softmax_coefficient  # Megatron scales twice with layer scaling
         self._coc_cp = plan
@@ -122,9 +116,7 @@ def _agree(plan, device) -> None:
     """Every rank of the CP group runs the same settings (the first call on each group checks)."""
     from coc_inject.pipeline import agreement
 
-    config = _state["config"]
-    agreement.ensure_same_config(plan.cp_group, config.fingerprint(), device,
-                                 f"COC_CP_ALGO -> {plan.describe()}, {config.describe()}")
+    agreement.ensure_same_config(plan.cp_group, _state["config"], device, f"COC_CP_ALGO -> {plan.describe()}, ")
 
 
 def _patch_parallel_state(parallel_state) -> None:

@@ -24,10 +24,14 @@ class ConfigMismatchError(RuntimeError):
     pass
 
 
-def ensure_same_config(group, fingerprint: int, device: torch.device, describe: str) -> None:
-    """Raise :class:`ConfigMismatchError` unless every rank of ``group`` has ``fingerprint``."""
+def ensure_same_config(group, config, device: torch.device, what: str = "") -> None:
+    """Raise :class:`ConfigMismatchError` unless every rank of ``group`` has ``config``'s fingerprint.
+
+    After a group's first check this is one dict lookup: the fingerprint (a hash of the settings)
+    and the description are made only when the group is checked."""
     if _agreed_groups.get(id(group)) is group:
         return
+    fingerprint = config.fingerprint()
     size = group.size()
     mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
     everyone = torch.empty(size, dtype=torch.int64, device=device)
@@ -47,7 +51,7 @@ def ensure_same_config(group, fingerprint: int, device: torch.device, describe: 
         raise ConfigMismatchError(
             "CoC configuration differs across the ranks of one process group "
             f"({table}). Every rank must see the same COC_* environment / COC_CONFIG file. "
-            f"This rank: {describe}"
+            f"This rank: {what}{config.describe()}"
         )
     _agreed_groups[id(group)] = group
 
