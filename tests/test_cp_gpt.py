@@ -218,6 +218,21 @@ def test_cache_round_trip_runs_no_trial(pool, tmp_path):
 
 
 @full_only
+def test_a_job_takes_the_decision_of_coc_inject_tune_and_runs_no_trial(pool, tmp_path):
+    from tests.test_tune_cli import run_tune_attention
+
+    # The pool's GPT (hidden 64, 4 heads, seq 64, micro-batch 2) at TP 1 x CP 2 in a world of 4.
+    cache = str(tmp_path / "tune.json")
+    _, (row,), _ = run_tune_attention("--hidden", "64", "--ffn", "256", "--heads", "4", "--seq", "64",
+                                      "--micro-batch", "2", "--cp", "2", "--world", "4", "--cache", cache)
+    assert row["source"] == "trials"
+    got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": cache}, steps=1)
+    for result in got:
+        assert [(d["source"], d["choice"], d["times_ms"]) for d in result["decisions"]] == [
+            ("cache", row["choice"], {})]
+
+
+@full_only
 def test_deterministic_runs_no_trial_and_uses_ring(pool, tmp_path):
     got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": str(tmp_path / "none.json"), "deterministic": True},
                 steps=1)

@@ -33,6 +33,33 @@ def run_tune(*argv):
                   times in rows], customized
 
 
+def run_tune_attention(*argv, env=None):
+    """(process, attention table rows as dicts, the exported fixed settings or None)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "tune", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = []
+    for line in proc.stdout.splitlines():
+        cells = re.split(r"\s{2,}", line)
+        if len(cells) == 6 and cells[1].startswith("attention seq "):
+            times = dict(re.findall(r"([a-z][\w =-]*?) (\d+\.\d+)(?:, |$)", cells[4]))
+            rows.append({"layer": cells[0], "key": cells[1], "choice": cells[2], "source": cells[3],
+                         "times_ms": {name: float(t) for name, t in times.items()}})
+    exports = [line.removeprefix("export ") for line in proc.stdout.splitlines() if line.startswith("export COC_CP")]
+    return proc, rows, dict(word.split("=", 1) for word in exports[0].split()) if exports else None
+
+
+def attention_entries(path):
+    """{(seq, batch, heads, groups, dim, causal, cp, tp): (choice, times_ms, identity)} of a tune cache file."""
+    out = {}
+    for key, entry in json.loads(Path(path).read_text())["entries"].items():
+        kind, seq, batch, heads, groups, dim, dtype, causal, cp, tp, device, backward, identity = json.loads(key)
+        assert (kind, dtype, device, backward) == ("attention", "float32", "cpu", True)
+        out[(seq, batch, heads, groups, dim, causal, cp, tp)] = (entry["choice"], entry["times_ms"], identity)
+    return out
+
+
 def cache_entries(path):
     """{(case, m, k, n): (chunks, times_ms, the rest of the key)} of a tune cache file."""
     entries = json.loads(Path(path).read_text())["entries"]
@@ -127,6 +154,33 @@ def test_a_gpt_job_with_auto_takes_every_decision_from_the_pre_tuned_cache(tmp_p
         assert {d["source"] for d in decisions} == {"cache"}
 
 
+def test_attention_shapes_are_decided_by_the_engine_cached_and_reused(tmp_path):
+    # CP 4 with a Ulysses degree of 2: ring, ulysses, allgather and hybrid are the job's candidates.
+    cache = tmp_path / "tune.json"
+    argv = ["--shape", "attention:64,1,4,4,16", "--shape", "attention:32,1,4,2,8", "--cp", "4", "--cache", str(cache)]
+    first, rows, fixed = run_tune_attention(*argv, env={"COC_CP_ULYSSES_DEGREE": "2"})
+    entries = attention_entries(cache)
+    assert set(entries) == {(64, 1, 4, 4, 16, True, 4, 1), (32, 1, 4, 2, 8, True, 4, 1)}
+    assert [row["key"] for row in rows] == ["attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu",
+                                           "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu"]
+    for row, (choice, times, identity) in zip(rows, [entries[(64, 1, 4, 4, 16, True, 4, 1)],
+                                                     entries[(32, 1, 4, 2, 8, True, 4, 1)]]):
+        assert identity.endswith("; world 4; CP 4; gloo")
+        assert set(times) == {"ring", "ulysses", "allgather", "hybrid u=2"}
+        assert (row["source"], row["choice"]) == ("trials", choice)
+        assert row["times_ms"] == pytest.approx(times, abs=1.1e-3)
+    assert first.stderr.count("(trials: ring") == 2  # the engine's own decision lines
+    choices = {row["choice"] for row in rows}
+    settings = {"ring": {"COC_CP_ALGO": "ring"}, "ulysses": {"COC_CP_ALGO": "ulysses"},
+                "allgather": {"COC_CP_ALGO": "allgather"},
+                "hybrid u=2": {"COC_CP_ALGO": "hybrid", "COC_CP_ULYSSES_DEGREE": "2"}}
+    assert fixed == (settings[choices.pop()] if len(choices) == 1 else None)
+
+    second, again, _ = run_tune_attention(*argv, env={"COC_CP_ULYSSES_DEGREE": "2"})
+    assert [(row["source"], row["choice"]) for row in again] == [("cache", row["choice"]) for row in rows]
+    assert "(trials:" not in second.stderr
+
+
 # -- the mapping and the config, pure ------------------------------------------------------------
 
 
@@ -172,17 +226,57 @@ def _resolve(argv, environ):
 def test_config_is_auto_with_the_jobs_other_settings_and_the_cache():
     environ = {"HOME": "/home/u", "COC_PARALLEL_NUM": "not read", "COC_CUSTOMIZED": "{}", "COC_DISABLE": "1",
                "COC_DETERMINISTIC": "1", "COC_RECOMPUTE_ALL_GATHER": "0", "COC_TUNE_CANDIDATES": "2,4"}
-    targets, _, config, tp, world = _resolve(["--shape", "row:8,8,8"], environ)
+    plan = _resolve(["--shape", "row:8,8,8"], environ)
+    config = plan.config
     assert (config.parallel_num, config.enabled, config.deterministic, config.customized_coc) == (AUTO, True, False, ())
     assert config.enable_coc_in_column_backward and not config.recompute_all_gather
     assert config.tune_candidates == (2, 4) and config.tune_cache == "/home/u/.cache/coc-inject/tune.json"
-    assert (tp, world, [t.shape for t in targets]) == (2, 2, [(8, 8, 8)])
-    assert _resolve(["--shape", "row:8,8,8"], {**environ, "COC_TUNE_CACHE": "/c/t.json"})[2].tune_cache == "/c/t.json"
-    config = _resolve(["--shape", "row:8,8,8", "--cache", "rel.json", "--candidates", "3,8"], environ)[2]
+    assert (plan.tp, plan.cp, plan.world, [t.shape for t in plan.targets], plan.attention) == (2, 1, 2, [(8, 8, 8)], [])
+    assert _resolve(["--shape", "row:8,8,8"], {**environ, "COC_TUNE_CACHE": "/c/t.json"}).config.tune_cache == \
+        "/c/t.json"
+    config = _resolve(["--shape", "row:8,8,8", "--cache", "rel.json", "--candidates", "3,8"], environ).config
     assert config.tune_cache == os.path.abspath("rel.json") and config.tune_candidates == (3, 8)
-    assert _resolve(["--shape", "row:8,8,8", "--cache", "off"], environ)[2].tune_cache is None
+    assert _resolve(["--shape", "row:8,8,8", "--cache", "off"], environ).config.tune_cache is None
     # Under torchrun: TP defaults to the whole job.
-    assert _resolve(["--shape", "row:8,8,8"], {**environ, "RANK": "0", "WORLD_SIZE": "4"})[3:] == (4, 4)
+    plan = _resolve(["--shape", "row:8,8,8"], {**environ, "RANK": "0", "WORLD_SIZE": "4"})
+    assert (plan.tp, plan.world) == (4, 4)
+
+
+MODEL = ["--hidden", "64", "--ffn", "128", "--seq", "32", "--micro-batch", "2", "--heads", "8", "--num-query-groups", "4"]
+
+
+def test_cp_adds_the_core_attention_of_the_model_and_sizes_the_world():
+    from coc_inject.bench.tune_attention import AttentionTarget
+
+    attention = AttentionTarget("core_attention", 32, 2, 8, 4, 8)
+    # --cp alone: TP 1 (the linears have nothing to tune), world = CP.
+    plan = _resolve([*MODEL, "--cp", "2"], {})
+    assert (plan.tp, plan.cp, plan.world, plan.targets, plan.attention) == (1, 2, 2, [], [attention])
+    assert plan.notes == ["TP 1: the linears have no collective to overlap; only the attention is tuned"]
+    assert plan.config.cp_algorithm == "auto"
+    # TP 2 x CP 2: the linears and the attention, world 4; the job's COC_CP_* settings are kept.
+    plan = _resolve([*MODEL, "--cp", "2", "--tp", "2", "--attention-mask", "none"], {"COC_CP_WINDOW": "2"})
+    assert (plan.tp, plan.world, len(plan.targets)) == (2, 4, 2)
+    assert plan.attention == [AttentionTarget("core_attention", 32, 2, 8, 4, 8, causal=False)]
+    assert (plan.config.cp_algorithm, plan.config.cp_window) == ("auto", 2)
+    plan = _resolve(["--shape", "attention:64,1,4,4,16", "--cp", "2", "--world", "8"], {})
+    assert (plan.tp, plan.world, plan.attention) == (1, 8, [AttentionTarget("--shape", 64, 1, 4, 4, 16)])
+    # Under torchrun: TP defaults to the job / CP.
+    plan = _resolve(["--shape", "attention:64,1,4,4,16", "--cp", "2"], {"RANK": "0", "WORLD_SIZE": "8"})
+    assert (plan.tp, plan.cp, plan.world) == (4, 2, 8)
+
+
+def test_a_variants_settings_run_it_without_auto():
+    from coc_inject.bench.tune_attention import fixed_settings
+    from coc_inject.context_parallel.attention import Variant
+
+    assert Variant("ring", window=2).settings() == {"COC_CP_ALGO": "ring", "COC_CP_WINDOW": "2"}
+    assert Variant("hybrid", window=2, ulysses_degree=4).settings() == {
+        "COC_CP_ALGO": "hybrid", "COC_CP_ULYSSES_DEGREE": "4", "COC_CP_WINDOW": "2"}
+    assert Variant("ulysses", ulysses_degree=4).settings() == {"COC_CP_ALGO": "ulysses"}
+    ring, allgather = {"settings": {"COC_CP_ALGO": "ring"}}, {"settings": {"COC_CP_ALGO": "allgather"}}
+    assert fixed_settings([ring, ring]) == {"COC_CP_ALGO": "ring"}
+    assert fixed_settings([ring, allgather]) is None
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -206,6 +300,19 @@ def test_config_is_auto_with_the_jobs_other_settings_and_the_cache():
                                                       "list of distinct integers >= 2"),
     (["--shape", "row:8,8,8", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8' (choose from"),
     ([], "nothing to tune: give --shape CASE:M,K,N (repeatable) and/or the model dimensions"),
+    (["--shape", "attention:64,1,4"], "argument --shape: 'attention:64,1,4' is invalid: expected "
+                                      "attention:SEQ,BATCH,HEADS,GROUPS,DIM"),
+    (["--shape", "attention:64,1,4,4,16"], "--shape attention:... needs --cp >= 2 (got --cp=1)"),
+    (["--shape", "attention:60,1,4,4,16", "--cp", "4"], "--shape attention:60,1,4,4,16 is invalid: the "
+                                                         "sequence 60 is not a multiple of 2 x --cp (8)"),
+    (["--shape", "attention:64,1,4,3,16", "--cp", "2"], "3 key/value groups do not divide 4 heads"),
+    (["--shape", "attention:64,1,4,2,16", "--cp", "2", "--tp", "4"],
+     "heads (4) and key/value groups (2) must be multiples of --tp (4)"),
+    (["--shape", "attention:64,1,4,4,16", "--cp", "2", "--tp", "2", "--world", "6"],
+     "--tp=2 with --cp=2 is invalid: expected --tp x --cp (4) to divide the world size (6)"),
+    (["--hidden", "32", "--ffn", "64", "--seq", "16", "--micro-batch", "1", "--cp", "2"],
+     "--cp=2 with the model dimensions needs --heads"),
+    (["--shape", "attention:64,1,4,4,16", "--cp", "2", "--shape", "row:8,8,8"], "--tp=1 is invalid"),
 ])
 def test_bad_arguments_name_the_option_the_value_and_what_is_allowed(argv, message, capsys, monkeypatch):
     from coc_inject.cli import main

@@ -97,7 +97,7 @@ def run_rank(args, device) -> dict | None:
 
 
 def _local_rank(rank, world, port, args, namespaces, work=None, megatron=True):
-    """One spawned rank: gloo on the CPU, Megatron's TP = ``args.tp`` (default: all ranks; not
+    """One spawned rank: gloo on the CPU, Megatron's parallel state (initialize_megatron; not
     initialised with ``megatron=False``: work that never touches Megatron skips its import);
     runs ``work(args, device)`` (default run_rank)."""
     from coc_inject.bench import link as link_module
@@ -117,13 +117,19 @@ def _local_rank(rank, world, port, args, namespaces, work=None, megatron=True):
     torch.cuda.current_device = lambda: torch.device("cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if megatron:
-        from megatron.core import parallel_state
-
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None) or world)
+        initialize_megatron(args, world)
     try:
         return (work or run_rank)(args, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
+
+
+def initialize_megatron(args, world: int) -> None:
+    """Megatron's parallel state: TP = ``args.tp`` (default: the whole world), CP = ``args.cp_size`` (default 1)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None) or world,
+                                             context_parallel_size=getattr(args, "cp_size", None) or 1)
 
 
 def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench", megatron: bool = True) -> dict:
@@ -143,8 +149,8 @@ def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench"
 
 
 def run_torchrun(args, work=None) -> dict | None:
-    """Under torchrun: this process is one rank of the job, on its accelerator; TP = ``args.tp``
-    (default: the whole job)."""
+    """Under torchrun: this process is one rank of the job, on its accelerator; Megatron's parallel
+    state as initialize_megatron makes it."""
     import torch
     import torch.distributed as dist
 
@@ -154,10 +160,7 @@ def run_torchrun(args, work=None) -> dict | None:
     if device.type == "cpu":  # Megatron allocates its SP buffers with torch.cuda.current_device()
         torch.cuda.current_device = lambda: torch.device("cpu")
     dist.init_process_group(backend)
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None)
-                                             or dist.get_world_size())
+    initialize_megatron(args, dist.get_world_size())
     try:
         return (work or run_rank)(args, device)
     finally:

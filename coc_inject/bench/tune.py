@@ -1,7 +1,9 @@
-"""``coc-inject tune``: make ``COC_PARALLEL_NUM=auto``'s decisions ahead of a job.
+"""``coc-inject tune``: make ``COC_PARALLEL_NUM=auto``'s and ``COC_CP_ALGO=auto``'s decisions ahead of a job.
 
     coc-inject tune --hidden 4096 --ffn 11008 --seq 4096 --micro-batch 1 --tp 2 --sequence-parallel
     coc-inject tune --shape row-sp:4096,2048,4096 --shape column-sp:4096,4096,5504 --tp 2
+    coc-inject tune --hidden 4096 --ffn 11008 --seq 32768 --micro-batch 1 --heads 32 --tp 2 --cp 2
+    coc-inject tune --shape attention:32768,1,32,8,128 --cp 4       # the core attention alone, TP 1
     torchrun --nproc-per-node 8 -m coc_inject tune --tp 8 ...      # on the job's devices
 
 Each shape runs once, forward and backward, through the real megatron-core layer with CoC
@@ -12,8 +14,12 @@ key and hardware identity (device or host, world size, TP size, backend) then ta
 cache and runs no trials. Printed: a table (shape -> chosen N, each candidate's time) and the
 equivalent ``COC_CUSTOMIZED`` for jobs that do not use ``auto``.
 
+With ``--cp`` >= 2 the attention shapes (``--shape attention:...``, or the model dimensions with
+``--heads``) are decided too, through Megatron's local attention with ``COC_CP_ALGO=auto``
+(coc_inject.bench.tune_attention); Megatron's parallel state gets the job's TP and CP sizes.
+
 Where it runs is ``coc-inject bench``'s choice: local CPU ranks over gloo (``--world``, default
-``--tp``), or, under torchrun, every rank of the job on its device (``COC_BENCH_DEVICE=npu`` on
+``--tp`` x ``--cp``), or, under torchrun, every rank of the job on its device (``COC_BENCH_DEVICE=npu`` on
 Ascend). Model dimensions map to the GPT layer's four tensor-parallel linears; ``m`` is
 ``seq x micro-batch`` (all rows, also under sequence parallelism).
 """
@@ -28,12 +34,14 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from coc_inject.bench import tune_attention
+
 CASES = ("row", "row-sp", "column-sp", "column-bwd")
 SHAPE_ALLOWED = (f"CASE:M,K,N with CASE one of {', '.join(CASES)} and M, K, N integers >= 1 "
                  "(the engine's [m, k, n]: Row k = input size / TP; Column m = all rows, n = output size / TP)")
 MODEL_OPTIONS = ("hidden", "ffn", "seq", "micro_batch")
 # Variables whose settings tune replaces (auto everywhere, trials on, no report).
-SET_BY_TUNE = ("COC_DISABLE", "COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_CUSTOMIZED", "COC_DETERMINISTIC",
+SET_BY_TUNE = ("COC_DISABLE", "COC_PARALLEL_NUM", "COC_CP_ALGO", "USE_COC_FUSED_KERNEL", "COC_CUSTOMIZED", "COC_DETERMINISTIC",
                "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_REPORT")
 
 
@@ -57,9 +65,12 @@ def _option(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def parse_shape(text: str) -> Target:
+def parse_shape(text: str):
+    """A Target, or a tune_attention.AttentionTarget for ``attention:...``."""
     case, _, dims = text.partition(":")
     words = dims.split(",")
+    if case.strip() == "attention":
+        return tune_attention.parse_shape(text, words, argparse.ArgumentTypeError)
     if case.strip() not in CASES or len(words) != 3 or not all(
             w.strip().isascii() and w.strip().isdigit() and int(w) >= 1 for w in words):
         raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {SHAPE_ALLOWED}")  # argparse names --shape
@@ -78,14 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     shapes = parser.add_argument_group("explicit shapes")
     shapes.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="CASE:M,K,N",
-                        help=f"repeatable; {SHAPE_ALLOWED}")
+                        help=f"repeatable; {SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}")
     model = parser.add_argument_group("model dimensions (GPT layer: linear_qkv, linear_proj, linear_fc1, "
                                       "linear_fc2)")
     model.add_argument("--hidden", type=positive, help="hidden size")
     model.add_argument("--ffn", type=positive, help="FFN hidden size")
     model.add_argument("--seq", type=positive, help="sequence length")
     model.add_argument("--micro-batch", type=positive, help="micro-batch size")
-    model.add_argument("--heads", type=positive, help="attention heads (needed with --num-query-groups)")
+    model.add_argument("--heads", type=positive, help="attention heads (needed with --num-query-groups and --cp)")
     model.add_argument("--num-query-groups", type=positive, help="GQA groups: linear_qkv has "
                        "hidden + 2 * groups * hidden/heads outputs (default: MHA, 3 * hidden)")
     model.add_argument("--swiglu", action="store_true", help="gated linear unit: linear_fc1 has 2 * ffn outputs")
@@ -95,9 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="without sequence parallelism, also tune linear_qkv/linear_fc1 (their CoC runs only "
                             "with COC_ENABLE_IN_COLUMN_BACKWARD=1)")
     where = parser.add_argument_group("where and how")
-    where.add_argument("--tp", type=positive, help="tensor-parallel size (default: 2 local ranks; under torchrun "
-                       "the whole job)")
-    where.add_argument("--world", type=positive, help="local ranks to start (default --tp); a multiple of --tp. "
+    where.add_argument("--tp", type=positive, help="tensor-parallel size (default: 2 local ranks, 1 with --cp; "
+                       "under torchrun the whole job / --cp)")
+    where.add_argument("--cp", type=positive, default=1, help="context-parallel size (default 1); >= 2 also tunes "
+                       "the attention shapes (COC_CP_ALGO=auto)")
+    where.add_argument("--attention-mask", choices=["causal", "none"], default="causal",
+                       help="the attention layers' mask type (default causal, as a GPT's)")
+    where.add_argument("--world", type=positive, help="local ranks to start (default --tp x --cp); a multiple of it. "
                        "The cache identity includes the world size: use your job's. Not under torchrun")
     where.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     where.add_argument("--candidates", metavar="C,C,...",
@@ -158,34 +173,68 @@ def model_targets(args, tp: int, error) -> tuple[list, list]:
     return [Target(name, case, m, k, n, args.micro_batch) for name, case, m, k, n in layers], notes
 
 
-def resolve(args, parser, environ) -> tuple:
-    """(targets, notes, CocConfig, tp, world) from the arguments, or a parser error."""
+@dataclass(frozen=True)
+class Plan:
+    """What one tune run decides, and where."""
+
+    targets: list  # Targets (the tensor-parallel linears)
+    attention: list  # tune_attention.AttentionTargets
+    notes: list
+    config: object  # CocConfig: auto everywhere, the job's other settings
+    tp: int
+    cp: int
+    world: int
+
+
+def resolve(args, parser, environ) -> Plan:
+    """The Plan of the arguments, or a parser error."""
     from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
 
     under_torchrun = "RANK" in environ
     if under_torchrun and args.world is not None:
         parser.error(f"--world={args.world} is for local ranks: under torchrun the job's WORLD_SIZE "
                      f"({environ.get('WORLD_SIZE')}) is the world")
+    cp = args.cp
     world_now = int(environ.get("WORLD_SIZE", "1")) if under_torchrun else None
-    tp = args.tp or world_now or 2
-    world = world_now or args.world or tp
-    if tp < 2:
+    if world_now is not None and world_now % cp:
+        parser.error(f"--cp={cp} is invalid: expected a divisor of the world size ({world_now})")
+    tp = args.tp or (world_now // cp if world_now else 2 if cp == 1 else 1)
+    world = world_now or args.world or tp * cp
+    if world % (tp * cp):
+        parser.error(f"--tp={tp} is invalid: expected a divisor of the world size ({world})" if cp == 1 else
+                     f"--tp={tp} with --cp={cp} is invalid: expected --tp x --cp ({tp * cp}) to divide the world "
+                     f"size ({world})")
+    shapes = [t for t in args.shape if isinstance(t, Target)]
+    attention = [t for t in args.shape if not isinstance(t, Target)]
+    model_given = any(getattr(args, name) is not None for name in MODEL_OPTIONS)
+    if tp < 2 and (shapes or not (attention or (model_given and cp > 1))):
         parser.error(f"--tp={tp} is invalid: expected an integer >= 2 (TP 1 has no collective to overlap)")
-    if world % tp:
-        parser.error(f"--tp={tp} is invalid: expected a divisor of the world size ({world})")
     targets, notes = model_targets(args, tp, parser.error)
-    for target in args.shape:
+    if tp < 2 and targets:
+        targets, notes = [], ["TP 1: the linears have no collective to overlap; only the attention is tuned"]
+    for target in shapes:
         if target.case in ("row-sp", "column-sp") and target.m % tp:
             parser.error(f"--shape={target.case}:{target.m},{target.k},{target.n} is invalid: m={target.m} is "
                          f"not a multiple of --tp ({tp}) (sequence parallelism splits the rows over the TP ranks)")
-    targets += args.shape
-    if not targets:
+    targets += shapes
+    if attention and cp < 2:
+        parser.error(f"--shape attention:... needs --cp >= 2 (got --cp={cp}): at CP 1 the attention is Megatron's own")
+    if cp > 1 and model_given:
+        if args.heads is None:
+            parser.error(f"--cp={cp} with the model dimensions needs --heads (the attention's heads)")
+        attention.insert(0, tune_attention.model_target(args))
+    if args.attention_mask == "none":
+        attention = [dataclasses.replace(t, causal=False) for t in attention]
+    for target in attention:
+        tune_attention.check(target, tp, cp, parser.error)
+    if not targets and not attention:
         parser.error("nothing to tune: give --shape CASE:M,K,N (repeatable) and/or the model dimensions "
                      f"{', '.join(map(_option, MODEL_OPTIONS))}")
     try:
-        # The job's other COC_* settings (COC_RECOMPUTE_ALL_GATHER, COC_MATMUL_SOC_FRIENDLY, COC_CONFIG, ...)
+        # The job's other COC_* settings (COC_RECOMPUTE_ALL_GATHER, COC_CP_WINDOW, COC_CONFIG, ...)
         # shape the trials as they shape its calls; those tune sets itself are not read.
-        base = load_config({name: value for name, value in environ.items() if name not in SET_BY_TUNE})
+        base = load_config({**{name: value for name, value in environ.items() if name not in SET_BY_TUNE},
+                            "COC_CP_ALGO": "auto"})  # COC_CP_WINDOW etc. refine an algorithm that is set
         candidates = (parse_tune_candidates("--candidates", args.candidates) if args.candidates is not None
                       else base.tune_candidates)
         cache = base.tune_cache
@@ -194,10 +243,12 @@ def resolve(args, parser, environ) -> tuple:
             cache = parse_tune_cache("--cache", text)
     except ConfigError as error:
         parser.error(str(error))
+    if attention and base.cp_mask_type == "causal" and args.attention_mask == "none":
+        parser.error("--attention-mask=none disagrees with COC_CP_MASK_TYPE=causal (the job's setting)")
     config = dataclasses.replace(base, parallel_num=AUTO, fused=False, customized_coc=(), disabled=False,
                                  deterministic=False, enable_coc_in_column_backward=True, tune_cache=cache,
                                  tune_candidates=candidates, report=None)
-    return targets, notes, config, tp, world
+    return Plan(targets, attention, notes, config, tp, cp, world)
 
 
 def tune_rank(args, device) -> dict | None:
@@ -206,16 +257,28 @@ def tune_rank(args, device) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    from coc_inject import log, patching
+    plan = args.plan
+    from coc_inject import log
+
+    log.configure(plan.config.log_level)  # rank 0 logs each decision as it is made
+    dtype = getattr(torch, args.dtype)
+    measured = {"linears": _tune_linears(plan, dtype, device) if plan.targets else None,
+                "attention": (tune_attention.tune_rank(plan.attention, plan.config, dtype, device, plan.tp, plan.cp)
+                              if plan.attention else None)}
+    return measured if dist.get_rank() == 0 else None
+
+
+def _tune_linears(plan, dtype, device) -> dict:
+    import torch
+
+    from coc_inject import patching
     from coc_inject.bench import layers
     from coc_inject.tuning import hardware_identity
 
-    log.configure(args.config.log_level)  # rank 0 logs each decision as it is made
-    dtype = getattr(torch, args.dtype)
-    patching.install(args.config)
+    patching.install(plan.config)
     try:
         seen = set()
-        for target in args.targets:
+        for target in plan.targets:
             if (target.case, target.shape) in seen:
                 continue  # same decision key: decided once
             seen.add((target.case, target.shape))
@@ -227,15 +290,15 @@ def tune_rank(args, device) -> dict | None:
         decisions = dict(patching.engine().tuner.decisions) if patching.engine().tuner is not None else {}
     finally:
         patching.uninstall()
-    if dist.get_rank() != 0:
-        return None
     return {"decisions": decisions, "identity": hardware_identity(device, group)}
 
 
 def _describe_where(args) -> str:
+    plan = args.plan
+    sizes = f"TP {plan.tp}" + (f", CP {plan.cp}" if plan.cp > 1 else "")
     if "RANK" in os.environ:
-        return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks, TP {args.tp}"
-    return f"{args.world} local CPU ranks (gloo), TP {args.tp}, {args.threads} thread(s)/rank"
+        return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks, {sizes}"
+    return f"{plan.world} local CPU ranks (gloo), {sizes}, {args.threads} thread(s)/rank"
 
 
 def rows_for(targets, decisions: dict, entries: dict, identity: str) -> list:
@@ -293,25 +356,43 @@ def format_table(rows, candidates) -> str:
 
 def main(argv=None) -> int:
     from coc_inject.bench import run
-    from coc_inject.tune_cache import TuneCache
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.targets, notes, args.config, args.tp, args.world = resolve(args, parser, os.environ)
+    args.plan = resolve(args, parser, os.environ)
+    args.tp, args.cp_size = args.plan.tp, args.plan.cp  # Megatron's parallel state (coc_inject.bench.run)
     args.link = None  # the cache identity is the host's: an emulated link would be cached as plain loopback
     measured = (run.run_torchrun(args, tune_rank) if "RANK" in os.environ
-                else run.run_local(args, tune_rank, args.world, "coc-inject tune"))
+                else run.run_local(args, tune_rank, args.plan.world, "coc-inject tune"))
     if measured is None:
         return 0  # not rank 0 of a torchrun job
-    cache = args.config.tune_cache
-    entries = TuneCache(cache).entries() if cache is not None else {}
-    rows = rows_for(args.targets, measured["decisions"], entries, measured["identity"])
-    print(f"coc-inject tune: {_describe_where(args)}, {args.dtype}; candidates N=1 (Megatron's path), "
-          f"{', '.join(f'N={c}' for c in args.config.tune_candidates)}; ms: fwd+bwd median of the trials, max over "
-          "ranks (source cache: the times cached with the decision)")
-    print(format_table(rows, args.config.tune_candidates))
-    for note in notes:
+    cache = args.plan.config.tune_cache
+    if measured["linears"] is not None:
+        print_linears(args, measured["linears"], cache)
+    if measured["attention"] is not None:
+        print_attention(args, measured["attention"], cache)
+    for note in args.plan.notes:
         print(f"note: {note}")
+    return 0
+
+
+def _cache_line(cache, identity: str, what: str) -> str:
+    if cache is None:
+        return "cache: off (--cache off / COC_TUNE_CACHE=off): nothing was kept"
+    return (f"cache: {cache}; identity {identity}: a {what} job with this identity, dtype and these shapes takes "
+            "these decisions without trials")
+
+
+def print_linears(args, measured: dict, cache) -> None:
+    from coc_inject.tune_cache import TuneCache
+
+    config = args.plan.config
+    entries = TuneCache(cache).entries() if cache is not None else {}
+    rows = rows_for(args.plan.targets, measured["decisions"], entries, measured["identity"])
+    print(f"coc-inject tune: {_describe_where(args)}, {args.dtype}; candidates N=1 (Megatron's path), "
+          f"{', '.join(f'N={c}' for c in config.tune_candidates)}; ms: fwd+bwd median of the trials, max over "
+          "ranks (source cache: the times cached with the decision)")
+    print(format_table(rows, config.tune_candidates))
     for row in rows:
         if cache is not None and row["cached"] != row["chunks"]:
             print(f"warning: {row['case']} {json.dumps(row['shape'])}: the cache holds "
@@ -322,14 +403,31 @@ def main(argv=None) -> int:
         print(f"warning: {text} is {' and '.join(f'{case} (N={n})' for case, n in cases)}; a COC_CUSTOMIZED key has "
               "no case, so it says \"auto\" for this shape: tuned per case at run time (from the tune cache when "
               "the identity matches)")
-    if cache is not None:
-        print(f"cache: {cache}; identity {measured['identity']}: a COC_PARALLEL_NUM=auto job with this identity, "
-              "dtype and these shapes takes these decisions without trials")
-    else:
-        print("cache: off (--cache off / COC_TUNE_CACHE=off): nothing was kept")
+    print(_cache_line(cache, measured["identity"], "COC_PARALLEL_NUM=auto"))
     print("COC_CUSTOMIZED, the same choices for a job without auto ([m, k, n] as the engine keys them):")
     print(f"export COC_CUSTOMIZED={shlex.quote(json.dumps(chosen))}")
-    return 0
+
+
+def print_attention(args, measured: dict, cache) -> None:
+    from coc_inject.tune_cache import TuneCache
+
+    entries = TuneCache(cache).entries() if cache is not None else {}
+    rows = tune_attention.rows_for(args.plan.attention, measured, entries)
+    print(f"coc-inject tune, attention (COC_CP_ALGO=auto): {_describe_where(args)}, {args.dtype}; candidates "
+          f"{', '.join(measured['settings'])} (ring: the baseline); ms: fwd+bwd median of the trials, max over the CP "
+          "group (source cache: the times cached with the decision)")
+    print(tune_attention.format_table(rows))
+    for row in rows:
+        if cache is not None and row["cached"] != row["choice"]:
+            print(f"warning: {row['key']}: the cache holds {row['cached'] or 'nothing'} for it, not {row['choice']} "
+                  "(another CP group's decision, written last, or the cache could not be written)")
+    print(_cache_line(cache, measured["identity"], "COC_CP_ALGO=auto"))
+    fixed = tune_attention.fixed_settings(rows)
+    if fixed is None:
+        print("the attention shapes chose different algorithms: keep COC_CP_ALGO=auto (with this cache) to run each")
+    else:
+        print("the same choice for a job without auto:")
+        print("export " + " ".join(f"{name}={value}" for name, value in fixed.items()))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,15 @@ class Variant:
             return f"hybrid u={self.ulysses_degree}" + (f" w={self.window}" if self.window > 1 else "")
         return self.algorithm
 
+    def settings(self) -> dict:
+        """The COC_CP_* variables that run this variant without auto."""
+        settings = {"COC_CP_ALGO": self.algorithm}
+        if self.algorithm == HYBRID:
+            settings["COC_CP_ULYSSES_DEGREE"] = str(self.ulysses_degree)
+        if self.window > 1:
+            settings["COC_CP_WINDOW"] = str(self.window)
+        return settings
+
 
 @dataclass
 class LayerCP:

@@ -112,6 +112,12 @@ def _auto_choice(layer, plan, query, key, value, causal):
     return auto.choose(_state["tuner"], plan, query, key, value, causal, layer.config.tensor_model_parallel_size)
 
 
+def auto_decisions() -> dict:
+    """COC_CP_ALGO=auto's decisions of this process so far: {AttentionKey: Decision}."""
+    tuner = _state["tuner"]
+    return dict(tuner.decisions) if tuner is not None else {}
+
+
 def _agree(plan, device) -> None:
     """Every rank of the CP group runs the same settings (the first call on each group checks)."""
     from coc_inject.pipeline import agreement

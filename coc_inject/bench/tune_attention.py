@@ -1,0 +1,150 @@
+"""``coc-inject tune`` for attention shapes: ``COC_CP_ALGO=auto``'s decisions ahead of a job.
+
+Each shape runs once, forward and backward, through Megatron's local ``DotProductAttention``
+with coc-inject's context parallelism installed as ``COC_CP_ALGO=auto`` installs it (the job's
+``COC_CP_WINDOW`` / ``COC_CP_ULYSSES_DEGREE`` / ``COC_CP_MASK_TYPE`` shape the candidates and
+the mask, as in the job), so the engine's tuner makes the decision and caches it under the same
+key and hardware identity (device or host, world size, CP size, backend) that the job's first
+call looks up. Megatron's model parallel state is initialised with the job's TP and CP sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHAPE_ALLOWED = ("attention:SEQ,BATCH,HEADS,GROUPS,DIM with integers >= 1 (the whole sequence, micro-batch, the "
+                 "model's attention heads and key/value groups, head dim); needs --cp >= 2")
+
+
+@dataclass(frozen=True)
+class AttentionTarget:
+    """One core-attention shape of the model (heads and groups over all TP ranks)."""
+
+    layer: str
+    seq: int
+    batch: int
+    heads: int
+    groups: int
+    dim: int
+    causal: bool = True
+
+    def text(self) -> str:
+        """As --shape would give it."""
+        return f"attention:{self.seq},{self.batch},{self.heads},{self.groups},{self.dim}"
+
+
+def parse_shape(text: str, words: list, error) -> AttentionTarget:
+    if len(words) != 5 or not all(w.strip().isascii() and w.strip().isdigit() and int(w) >= 1 for w in words):
+        raise error(f"{text!r} is invalid: expected {SHAPE_ALLOWED}")
+    return AttentionTarget("--shape", *(int(w) for w in words))
+
+
+def model_target(args) -> AttentionTarget:
+    """The GPT layer's core attention for the model dimensions (head dim = hidden / heads, as
+    Megatron's default kv_channels; another head dim: --shape attention:...)."""
+    return AttentionTarget("core_attention", args.seq, args.micro_batch, args.heads,
+                           args.num_query_groups or args.heads, args.hidden // args.heads)
+
+
+def check(target: AttentionTarget, tp: int, cp: int, error) -> None:
+    """The shape fits Megatron at this TP and CP (parser error otherwise)."""
+    where = f"--shape {target.text()}" if target.layer == "--shape" else f"the model's attention ({target.text()})"
+    if target.heads % target.groups:
+        error(f"{where} is invalid: {target.groups} key/value groups do not divide {target.heads} heads")
+    if target.heads % tp or target.groups % tp:
+        error(f"{where} is invalid: heads ({target.heads}) and key/value groups ({target.groups}) must be "
+              f"multiples of --tp ({tp})")
+    if target.seq % (2 * cp):
+        error(f"{where} is invalid: the sequence {target.seq} is not a multiple of 2 x --cp ({2 * cp}): Megatron's "
+              "layout cuts it into 2*CP equal chunks")
+
+
+def tune_rank(targets, config, dtype, device, tp: int, cp: int) -> dict:
+    """Every rank: each target once, fwd+bwd, through Megatron's attention with auto installed.
+    Returns the decisions, the hardware identity and the candidates' settings."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer import dot_product_attention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from coc_inject.context_parallel import groups, install
+    from coc_inject.tuning import hardware_identity
+
+    degree = config.cp_ulysses_degree
+    if degree is not None and 1 < degree < cp and cp % degree == 0:
+        groups.make_ulysses_groups(degree, parallel_state.get_context_parallel_global_ranks())
+    install.install(config, dot_product_attention)
+    settings = {}
+    try:
+        for target in dict.fromkeys(targets):
+            megatron_config = TransformerConfig(
+                num_layers=1, hidden_size=target.heads * target.dim, num_attention_heads=target.heads,
+                num_query_groups=target.groups, kv_channels=target.dim, tensor_model_parallel_size=tp,
+                context_parallel_size=cp, attention_dropout=0.0, hidden_dropout=0.0, params_dtype=dtype,
+                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+            layer = dot_product_attention.DotProductAttention(
+                config=megatron_config, layer_number=1,
+                attn_mask_type=AttnMaskType.causal if target.causal else AttnMaskType.no_mask, attention_type="self")
+            settings.update({variant.describe(): variant.settings() for variant in layer._coc_cp.variants})
+            rows = target.seq // cp
+            q = torch.randn(rows, target.batch, target.heads // tp, target.dim, dtype=dtype, device=device)
+            k, v = (torch.randn(rows, target.batch, target.groups // tp, target.dim, dtype=dtype, device=device)
+                    for _ in range(2))
+            inputs = [t.requires_grad_(True) for t in (q, k, v)]
+            out = layer(*inputs, None)
+            out.backward(torch.ones_like(out))
+        decisions = install.auto_decisions()
+    finally:
+        install.uninstall()
+        groups.forget()
+    return {"decisions": decisions, "settings": settings,
+            "identity": hardware_identity(device, parallel_state.get_context_parallel_group(), "CP")}
+
+
+def rows_for(targets, measured: dict, entries: dict) -> list:
+    """One row per target: the key, its decision, the candidates' times (trials, or as cached),
+    what the cache holds for it."""
+    from coc_inject.tune_cache import TuneCache
+
+    rows = []
+    for target in dict.fromkeys(targets):
+        key, decision = _decision_of(target, measured["decisions"])
+        entry = entries.get(TuneCache.key(key, measured["identity"]))
+        times = (dict(decision.times_ms) if decision.times_ms
+                 else dict(entry.get("times_ms", {})) if isinstance(entry, dict) else {})
+        rows.append({"layer": target.layer, "key": key.text(), "choice": decision.choice, "source": decision.source,
+                     "times_ms": times, "noise_ms": decision.noise_ms if decision.times_ms else None,
+                     "cached": entry.get("choice") if isinstance(entry, dict) else None,
+                     "settings": measured["settings"][decision.choice]})
+    return rows
+
+
+def _decision_of(target, decisions: dict) -> tuple:
+    """(key, decision) of ``target``: its dimensions (heads per TP rank), and its mask where two
+    keys differ only by that (COC_CP_MASK_TYPE=general makes a causal layer's key a no-mask one)."""
+    found = [(key, decision) for key, decision in decisions.items()
+             if (key.seq, key.batch, key.heads * key.tp, key.groups * key.tp, key.dim)
+             == (target.seq, target.batch, target.heads, target.groups, target.dim)]
+    if len(found) > 1:
+        found = [(key, decision) for key, decision in found if key.causal == target.causal]
+    if len(found) != 1:
+        raise SystemExit(f"coc-inject tune: the engine made no decision for the attention {target.text()}: the call "
+                         "went to Megatron's own attention before tuning (COC_LOG_LEVEL=debug says why)")
+    return found[0]
+
+
+def format_table(rows) -> str:
+    table = [["layer", "decision key", "algorithm", "source", "fwd+bwd ms per candidate", "noise ms"]]
+    for row in rows:
+        times = ", ".join(f"{name} {t:.3f}" for name, t in row["times_ms"].items()) or "-"
+        table.append([row["layer"], row["key"], row["choice"], row["source"], times,
+                      "-" if row["noise_ms"] is None else f"{row['noise_ms']:.3f}"])
+    widths = [max(len(line[i]) for line in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in table)
+
+
+def fixed_settings(rows) -> dict | None:
+    """The COC_CP_* settings of the one algorithm every row chose (None: the rows differ)."""
+    chosen = {tuple(sorted(row["settings"].items())) for row in rows}
+    return dict(chosen.pop()) if len(chosen) == 1 else None
