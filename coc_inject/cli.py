@@ -10,8 +10,9 @@
 * ``reference``: the environment-variable and config-file reference as markdown tables.
 * ``report PATH ...``: the ``COC_REPORT`` files of a job as tables (per layer: route, chunks, calls, reason).
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
-* ``tune [...]``: ``COC_PARALLEL_NUM=auto``'s decisions for given shapes / model dimensions, made
-  ahead of a job into the tune cache, and the equivalent ``COC_CUSTOMIZED`` (coc_inject.bench.tune).
+* ``tune [...]``: ``COC_PARALLEL_NUM=auto``'s (and with ``--cp``, ``COC_CP_ALGO=auto``'s) decisions for
+  given shapes / model dimensions, made ahead of a job into the tune cache, and the equivalent fixed
+  settings (coc_inject.bench.tune).
 * ``selftest [...]``: each available backend vs the unfused result (coc_inject.selftest).
 """
 
@@ -250,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=cmd_report)
     # Parsed by coc_inject.bench.run itself (see main()); listed here for --help.
     commands.add_parser("bench", help="benchmark CoC vs unpatched Megatron (coc-inject bench -h)")
-    commands.add_parser("tune", help="pre-tune COC_PARALLEL_NUM=auto for shapes / model dimensions into the tune "
-                        "cache; prints the equivalent COC_CUSTOMIZED (coc-inject tune -h)")
+    commands.add_parser("tune", help="pre-tune COC_PARALLEL_NUM=auto (and, with --cp, COC_CP_ALGO=auto) for shapes "
+                        "/ model dimensions into the tune cache; prints the equivalent fixed settings "
+                        "(coc-inject tune -h)")
     commands.add_parser("selftest", help="every available backend vs the unfused result (coc-inject selftest -h)")
     return parser
 
