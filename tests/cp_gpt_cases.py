@@ -18,6 +18,7 @@ import torch.distributed as dist
 from coc_inject.bench.saved import SavedBytes
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import groups, install, layout
+from tests.dist_harness import reinitialize_model_parallel
 
 SEED = 1234
 _parallel_state_key = None  # what initialize_model_parallel last ran with (making groups takes seconds)
@@ -44,10 +45,9 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
 def setup(tp: int, cp: int, coc: dict | None = None, hierarchical=None):
     """Megatron's parallel state for TP x CP (the rest data-parallel), coc-inject's CP installed for ``coc``."""
     from megatron.core import parallel_state
+    from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.embeddings import rotary_pos_embedding
     from megatron.core.transformer import dot_product_attention
-
-    from megatron.core.fusions import fused_softmax
 
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     # Test-only shim for the CP=1 reference: Megatron's default causal mask is made on "cuda".
@@ -58,10 +58,9 @@ def setup(tp: int, cp: int, coc: dict | None = None, hierarchical=None):
         install.install(CocConfig(**coc), dot_product_attention, parallel_state)
     key = (tp, cp, hierarchical, (coc or {}).get("cp_ulysses_degree"))
     if key != _parallel_state_key:
-        parallel_state.destroy_model_parallel()
         groups.forget()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                                 hierarchical_context_parallel_sizes=hierarchical)
+        reinitialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                    hierarchical_context_parallel_sizes=hierarchical)
         _parallel_state_key = key
 
 

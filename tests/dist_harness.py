@@ -60,6 +60,20 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     dist.destroy_process_group()
 
 
+def reinitialize_model_parallel(**kwargs) -> None:
+    """Megatron's parallel state anew (on a worker), the old state's process groups destroyed first:
+    Megatron's destroy_model_parallel only forgets them, and each live gloo group keeps an event-loop
+    thread that takes CPU -- hundreds of them slowed every later test of a module several times."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
+    parallel_state.initialize_model_parallel(**kwargs)
+
+
 class RankPool:
     def __init__(self, world_size: int, timeout: float = 180.0):
         self.world_size = world_size

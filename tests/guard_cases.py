@@ -14,6 +14,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from dist_harness import reinitialize_model_parallel
 from layer_cases import build_layer, grad_for, make_input, relative_error
 
 
@@ -81,12 +82,10 @@ def unpatched_and_coc(layer, x, *, calls_twice=True, prepare=None, read_back=Non
 def weight_sharding(kind, *, sequence_parallel, tp=2, gtp=2):
     """A layer built while Megatron's GTP group has ``gtp`` ranks: layer.weight is a shard."""
     from fakes import te_gtp
-    from megatron.core import parallel_state
 
     te_gtp.install()
     world = dist.get_world_size()
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, gtp_remat_size=gtp)
+    reinitialize_model_parallel(tensor_model_parallel_size=tp, gtp_remat_size=gtp)
     try:
         layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
                             dtype="float32", hidden=32, ffn=64)
@@ -101,8 +100,7 @@ def weight_sharding(kind, *, sequence_parallel, tp=2, gtp=2):
         result["weight_shape"] = tuple(layer.weight.shape)
         return result
     finally:
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        reinitialize_model_parallel(tensor_model_parallel_size=world)
 
 
 # -- a weight of another shape than the layer's ----------------------------------------------

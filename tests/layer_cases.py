@@ -261,9 +261,13 @@ def compare_in_subgroups(kind, *, chunks, sequence_parallel, subgroup_size=2, se
     groups = [dist.new_group(list(range(start, start + subgroup_size)))
               for start in range(0, world, subgroup_size)]
     mine = groups[rank // subgroup_size]
-    result = compare(kind, chunks=chunks, sequence_parallel=sequence_parallel, seq=seq, batch=batch,
-                     enable_coc_in_column_backward=True, layer_options={"tp_group": mine})
-    result["group_size"] = mine.size()
+    try:
+        result = compare(kind, chunks=chunks, sequence_parallel=sequence_parallel, seq=seq, batch=batch,
+                         enable_coc_in_column_backward=True, layer_options={"tp_group": mine})
+        result["group_size"] = mine.size()
+    finally:
+        for group in groups:  # a live gloo group keeps a busy event-loop thread (see dist_harness)
+            dist.destroy_process_group(group)
     return result
 
 
