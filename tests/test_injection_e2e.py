@@ -26,7 +26,9 @@ def launch(workdir, name, env, *script_args):
     return proc, [torch.load(Path(workdir) / f"{name}_rank{rank}.pt") for rank in range(RANKS)]
 
 ROWS = 13 * 2
-CHUNK_COUNTS = [1, 2, 3, 4, 8]
+# 1 = off (nothing patched), 3 (26 rows: uneven chunks; run at debug level), 4 (the banner). Every
+# chunk count is checked against Megatron per layer in the layer suites; each launch here costs ~8 s.
+CHUNK_COUNTS = [1, 3, 4]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def runs(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("e2e")
     launched = {"off": launch(tmp_path, "off", clean_env())}
     for chunks in CHUNK_COUNTS:
-        extra = {"COC_LOG_LEVEL": "debug"} if chunks == 2 else {}
+        extra = {"COC_LOG_LEVEL": "debug"} if chunks == 3 else {}
         launched[chunks] = launch(tmp_path, f"n{chunks}", clean_env(
             PYTHONPATH=str(SITE), COC_PARALLEL_NUM=str(chunks), **extra))
     for name, (proc, _) in launched.items():
@@ -84,7 +86,7 @@ def test_banner_once_from_rank_zero(runs):
 
 
 def test_debug_level_every_rank_and_fallback_reasons(runs):
-    stderr = runs[2][0].stderr
+    stderr = runs[3][0].stderr
     assert "[coc-inject rank 0] CoC installed" in stderr and "[coc-inject rank 1] CoC installed" in stderr
     reasons = [line for line in stderr.splitlines() if "Megatron's own forward is used" in line]
     assert len(reasons) == 2  # the Column layer, once per rank
