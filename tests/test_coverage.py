@@ -19,6 +19,7 @@ import torch
 
 from coc_inject import coverage
 from coc_inject.config import CocConfig
+from scope import newest_only
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = {"decoder.layers.0.linear_fc1": "ColumnParallelLinear", "decoder.layers.0.linear_fc2": "RowParallelLinear"}
@@ -145,6 +146,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@newest_only  # how a process ends (atexit, SIGTERM): the same on every release
 @pytest.mark.parametrize("ending,returncode", [("raise", 1), ("sigterm", -signal.SIGTERM)])
 def test_report_written_when_the_job_dies(tmp_path, ending, returncode):
     path = tmp_path / "r{rank}.json"
@@ -173,6 +175,7 @@ ENDINGS = textwrap.dedent("""
 """)
 
 
+@newest_only  # how a process ends: the same on every release
 @pytest.mark.parametrize("ending,ended_by", [("raise", "exception"), ("sigterm", "SIGTERM"), ("exit", None)])
 def test_no_summary_when_the_job_ends_abnormally_before_any_layer_call(tmp_path, ending, ended_by):
     path = tmp_path / "report.json"
@@ -189,6 +192,7 @@ def test_no_summary_when_the_job_ends_abnormally_before_any_layer_call(tmp_path,
         assert summaries == [] and "no layer call" not in proc.stderr, proc.stderr
 
 
+@newest_only  # how a process ends: the same on every release
 def test_job_raising_before_its_first_step_gets_no_summary(tmp_path):
     # The product's path: the bootstrap patches Megatron's layers at import, then the job fails in its
     # argument checks (Megatron-LM's pretrain_gpt.py with --fp16 --bf16), before any layer call.

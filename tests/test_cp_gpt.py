@@ -5,17 +5,16 @@ losses, one decision on every rank with one rank's timings skewed, the cache rou
 mode, auto on some ranks and a fixed algorithm on others)."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from tests.dist_harness import RankPool
+from tests.scope import newest_only
 
-# The whole set on the newest release; COC_CP_TESTS=quick (make test on the older releases) keeps the
-# CP=2 training cases and the construction errors.
-QUICK = os.environ.get("COC_CP_TESTS") == "quick"
-full_only = pytest.mark.skipif(QUICK, reason="runs on the newest megatron-core only (make test budget)")
+# The whole set on the newest release; the older releases (tests/scope.py) run the CP=2 training cases
+# and the construction errors.
+full_only = newest_only
 
 
 @pytest.fixture(scope="module")
@@ -219,17 +218,18 @@ def test_cache_round_trip_runs_no_trial(pool, tmp_path):
 
 @full_only
 def test_a_job_takes_the_decision_of_coc_inject_tune_and_runs_no_trial(pool, tmp_path):
-    from tests.test_tune_cli import run_tune_attention
+    from tests.test_tune_cli import attention_entries, run_tune_attention
 
     # The pool's GPT (hidden 64, 4 heads, seq 64, micro-batch 2) at TP 1 x CP 2 in a world of 4.
     cache = str(tmp_path / "tune.json")
     _, (row,), _ = run_tune_attention("--hidden", "64", "--ffn", "256", "--heads", "4", "--seq", "64",
                                       "--micro-batch", "2", "--cp", "2", "--world", "4", "--cache", cache)
     assert row["source"] == "trials"
+    # Both CP groups of the world decided; the cache keeps the last writer's choice, as in a job.
+    ((choice, _, _),) = attention_entries(cache).values()
     got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": cache}, steps=1)
     for result in got:
-        assert [(d["source"], d["choice"], d["times_ms"]) for d in result["decisions"]] == [
-            ("cache", row["choice"], {})]
+        assert [(d["source"], d["choice"], d["times_ms"]) for d in result["decisions"]] == [("cache", choice, {})]
 
 
 @full_only

@@ -14,6 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 from launch import RANKS, SITE, clean_env, torchrun  # noqa: E402
+from scope import newest_only  # noqa: E402
 
 SCRIPT = ROOT / "examples" / "tp_mlp.py"
 
@@ -93,6 +94,7 @@ def test_debug_level_every_rank_and_fallback_reasons(runs):
     assert all("COC_ENABLE_IN_COLUMN_BACKWARD=1" in line for line in reasons)
 
 
+@newest_only  # coc-inject's own parsing and launcher: the same on every release
 def test_bad_value_stops_training_but_not_python(tmp_path):
     env = clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="four")
     proc, _ = launch(tmp_path, "bad", env)
@@ -103,6 +105,7 @@ def test_bad_value_stops_training_but_not_python(tmp_path):
     assert unrelated.returncode == 0 and unrelated.stdout.strip() == "42" and unrelated.stderr == ""
 
 
+@newest_only  # coc-inject's own parsing and launcher: the same on every release
 def test_mindspeed_flags_are_honoured_and_removed(tmp_path):
     # The script's argparse would reject the MindSpeed flags: success means they were removed.
     env = clean_env(PYTHONPATH=str(SITE))
@@ -112,6 +115,7 @@ def test_mindspeed_flags_are_honoured_and_removed(tmp_path):
     assert results[0]["forward_collectives"]["all_reduce"] == 4
 
 
+@newest_only  # coc-inject's own parsing and launcher: the same on every release
 def test_mindspeed_flag_disagreeing_with_env_is_an_error(tmp_path):
     env = clean_env(PYTHONPATH=str(SITE), COC_PARALLEL_NUM="2")
     proc, _ = launch(tmp_path, "disagree", env, "--use-ascend-coc", "--coc-parallel-num", "4")
@@ -119,6 +123,7 @@ def test_mindspeed_flag_disagreeing_with_env_is_an_error(tmp_path):
     assert "--coc-parallel-num 4 disagrees with COC_PARALLEL_NUM=2" in proc.stderr
 
 
+@newest_only  # coc-inject's own parsing and launcher: the same on every release
 def test_cli_run_launches_with_the_bootstrap(tmp_path):
     out = tmp_path / "cli.pt"
     command = [sys.executable, "-m", "coc_inject", "run", "3", "--", sys.executable, "-m",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from coc_inject.bench import tune
-from coc_inject.config import AUTO, parse_customized
+from coc_inject.config import AUTO, load_config, parse_customized
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = re.compile(r"^(\S+)\s+(row|row-sp|column-sp|column-bwd)\s+(\[[\d, ]+\])\s+(\d+)\s+(trials|cache)\s+(.*)$")
@@ -34,7 +34,8 @@ def run_tune(*argv):
 
 
 def run_tune_attention(*argv, env=None):
-    """(process, attention table rows as dicts, the exported fixed settings or None)."""
+    """(process, attention table rows as dicts, the job's environment after the printed fixed-choice
+    export/unset lines, or None where none were printed)."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}, **(env or {})}
     proc = subprocess.run([sys.executable, "-m", "coc_inject", "tune", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -46,17 +47,27 @@ def run_tune_attention(*argv, env=None):
             times = dict(re.findall(r"([a-z][\w =-]*?) (\d+\.\d+)(?:, |$)", cells[4]))
             rows.append({"layer": cells[0], "key": cells[1], "choice": cells[2], "source": cells[3],
                          "times_ms": {name: float(t) for name, t in times.items()}})
-    exports = [line.removeprefix("export ") for line in proc.stdout.splitlines() if line.startswith("export COC_CP")]
-    return proc, rows, dict(word.split("=", 1) for word in exports[0].split()) if exports else None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("export COC_CP", "unset COC_CP"))]
+    if not lines:
+        return proc, rows, None
+    job_env = dict(env)
+    for line in lines:
+        command, *words = line.split()
+        for word in words:
+            if command == "export":
+                job_env.update([word.split("=", 1)])
+            else:
+                job_env.pop(word, None)
+    return proc, rows, job_env
 
 
 def attention_entries(path):
-    """{(seq, batch, heads, groups, dim, causal, cp, tp): (choice, times_ms, identity)} of a tune cache file."""
+    """{(seq, batch, heads, groups, dim, causal, cp, tp, backward): (choice, times_ms, identity)} of a tune cache."""
     out = {}
     for key, entry in json.loads(Path(path).read_text())["entries"].items():
         kind, seq, batch, heads, groups, dim, dtype, causal, cp, tp, device, backward, identity = json.loads(key)
-        assert (kind, dtype, device, backward) == ("attention", "float32", "cpu", True)
-        out[(seq, batch, heads, groups, dim, causal, cp, tp)] = (entry["choice"], entry["times_ms"], identity)
+        assert (kind, dtype, device) == ("attention", "float32", "cpu")
+        out[(seq, batch, heads, groups, dim, causal, cp, tp, backward)] = (entry["choice"], entry["times_ms"], identity)
     return out
 
 
@@ -109,7 +120,8 @@ def test_explicit_shapes_are_cached_printed_and_reused_without_trials(tmp_path):
 
 def test_model_dimensions_tune_the_gpt_layer_shapes(tmp_path):
     cache = tmp_path / "tune.json"
-    # TP 2, m = 16 x 2; GQA: kv channels 32/4 = 8, qkv outputs 32 + 2*2*8 = 64 -> 32 per rank.
+    # TP 2, m = 16 x 2; GQA: kv channels 32/4 = 8, qkv outputs 32 + 2*2*8 = 64 -> 32 per rank. (A world larger
+    # than TP: the attention test, world 4, and tests/test_cp_gpt.py's job from a tune cache, world 4 = 2 CP groups.)
     _, rows, customized = run_tune("--hidden", "32", "--ffn", "96", "--seq", "16", "--micro-batch", "2",
                                    "--heads", "4", "--num-query-groups", "2", "--sequence-parallel",
                                    "--cache", str(cache))
@@ -120,14 +132,6 @@ def test_model_dimensions_tune_the_gpt_layer_shapes(tmp_path):
     assert set(entries) == {(case, *shape) for _, case, shape in expected}
     assert all(n == entries[(case, *shape)][0] for _, case, shape, n, *_ in rows)
     assert customized == {json.dumps(shape): entries[(case, *shape)][0] for _, case, shape in expected}
-
-
-def test_four_local_ranks_with_tp_two_cache_under_world_four(tmp_path):
-    cache = tmp_path / "tune.json"
-    _, rows, customized = run_tune("--shape", "row:16,16,16", "--world", "4", "--tp", "2", "--cache", str(cache))
-    (chunks, _, (dtype, tp, device, backward, identity)), = cache_entries(cache).values()
-    assert tp == 2 and identity.endswith("; world 4; TP 2; gloo")
-    assert rows[0][3] == chunks and customized == {"[16, 16, 16]": chunks}
 
 
 def test_a_gpt_job_with_auto_takes_every_decision_from_the_pre_tuned_cache(tmp_path):
@@ -154,31 +158,38 @@ def test_a_gpt_job_with_auto_takes_every_decision_from_the_pre_tuned_cache(tmp_p
         assert {d["source"] for d in decisions} == {"cache"}
 
 
-def test_attention_shapes_are_decided_by_the_engine_cached_and_reused(tmp_path):
+def test_attention_shapes_are_decided_by_the_engine_and_cached(tmp_path):
+    # (a job taking them from the cache: tests/test_cp_gpt.py, test_a_job_takes_the_decision_of_coc_inject_tune...)
     # CP 4 with a Ulysses degree of 2: ring, ulysses, allgather and hybrid are the job's candidates.
     cache = tmp_path / "tune.json"
-    argv = ["--shape", "attention:64,1,4,4,16", "--shape", "attention:32,1,4,2,8", "--cp", "4", "--cache", str(cache)]
-    first, rows, fixed = run_tune_attention(*argv, env={"COC_CP_ULYSSES_DEGREE": "2"})
+    # The second shape also forward-only: selective recompute runs a job's first call without autograd.
+    argv = ["--shape", "attention:64,1,4,4,16", "--shape", "attention:32,1,4,2,8", "--cp", "4", "--recompute-activations",
+            "--cache", str(cache)]
+    first, rows, job_env = run_tune_attention(*argv, env={"COC_CP_ULYSSES_DEGREE": "2"})
     entries = attention_entries(cache)
-    assert set(entries) == {(64, 1, 4, 4, 16, True, 4, 1), (32, 1, 4, 2, 8, True, 4, 1)}
-    assert [row["key"] for row in rows] == ["attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu",
-                                           "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu"]
-    for row, (choice, times, identity) in zip(rows, [entries[(64, 1, 4, 4, 16, True, 4, 1)],
-                                                     entries[(32, 1, 4, 2, 8, True, 4, 1)]]):
+    keys = [(64, 1, 4, 4, 16, True, 4, 1, True), (64, 1, 4, 4, 16, True, 4, 1, False),
+            (32, 1, 4, 2, 8, True, 4, 1, True), (32, 1, 4, 2, 8, True, 4, 1, False)]
+    assert set(entries) == set(keys)
+    assert [row["key"] for row in rows] == [
+        "attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu",
+        "attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu forward-only",
+        "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu",
+        "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu forward-only"]
+    for row, (choice, times, identity) in zip(rows, map(entries.get, keys)):
         assert identity.endswith("; world 4; CP 4; gloo")
         assert set(times) == {"ring", "ulysses", "allgather", "hybrid u=2"}
         assert (row["source"], row["choice"]) == ("trials", choice)
         assert row["times_ms"] == pytest.approx(times, abs=1.1e-3)
-    assert first.stderr.count("(trials: ring") == 2  # the engine's own decision lines
+    assert first.stderr.count("(trials: ring") == 4  # the engine's own decision lines
+    # The printed fixed choice, applied to the job's environment, is a valid config running exactly it.
     choices = {row["choice"] for row in rows}
-    settings = {"ring": {"COC_CP_ALGO": "ring"}, "ulysses": {"COC_CP_ALGO": "ulysses"},
-                "allgather": {"COC_CP_ALGO": "allgather"},
-                "hybrid u=2": {"COC_CP_ALGO": "hybrid", "COC_CP_ULYSSES_DEGREE": "2"}}
-    assert fixed == (settings[choices.pop()] if len(choices) == 1 else None)
-
-    second, again, _ = run_tune_attention(*argv, env={"COC_CP_ULYSSES_DEGREE": "2"})
-    assert [(row["source"], row["choice"]) for row in again] == [("cache", row["choice"]) for row in rows]
-    assert "(trials:" not in second.stderr
+    if len(choices) == 1:
+        config = load_config(job_env)
+        algorithm = {"ring": "ring", "ulysses": "ulysses", "allgather": "allgather", "hybrid u=2": "hybrid"}
+        assert (config.cp_algorithm, config.cp_window) == (algorithm[choices.pop()], 1)
+        assert config.cp_ulysses_degree == (2 if config.cp_algorithm == "hybrid" else None)
+    else:
+        assert job_env is None
 
 
 # -- the mapping and the config, pure ------------------------------------------------------------
@@ -254,29 +265,47 @@ def test_cp_adds_the_core_attention_of_the_model_and_sizes_the_world():
     assert (plan.tp, plan.cp, plan.world, plan.targets, plan.attention) == (1, 2, 2, [], [attention])
     assert plan.notes == ["TP 1: the linears have no collective to overlap; only the attention is tuned"]
     assert plan.config.cp_algorithm == "auto"
-    # TP 2 x CP 2: the linears and the attention, world 4; the job's COC_CP_* settings are kept.
+    # TP 2 x CP 2: the linears (each CP rank's rows: seq / CP x micro-batch = 16 x 2) and the attention,
+    # world 4; the job's COC_CP_* settings are kept.
     plan = _resolve([*MODEL, "--cp", "2", "--tp", "2", "--attention-mask", "none"], {"COC_CP_WINDOW": "2"})
-    assert (plan.tp, plan.world, len(plan.targets)) == (2, 4, 2)
+    assert (plan.tp, plan.world) == (2, 4)
+    assert [(t.layer, t.case, t.shape) for t in plan.targets] == [("linear_proj", "row", (32, 32, 64)),
+                                                                  ("linear_fc2", "row", (32, 64, 64))]
     assert plan.attention == [AttentionTarget("core_attention", 32, 2, 8, 4, 8, causal=False)]
     assert (plan.config.cp_algorithm, plan.config.cp_window) == ("auto", 2)
     plan = _resolve(["--shape", "attention:64,1,4,4,16", "--cp", "2", "--world", "8"], {})
     assert (plan.tp, plan.world, plan.attention) == (1, 8, [AttentionTarget("--shape", 64, 1, 4, 4, 16)])
-    # Under torchrun: TP defaults to the job / CP.
-    plan = _resolve(["--shape", "attention:64,1,4,4,16", "--cp", "2"], {"RANK": "0", "WORLD_SIZE": "8"})
-    assert (plan.tp, plan.cp, plan.world) == (4, 2, 8)
+    # Under torchrun: the world is the job's, TP is given (the rest may be data-parallel).
+    plan = _resolve(["--shape", "attention:64,1,4,4,16", "--cp", "2", "--tp", "2"], {"RANK": "0", "WORLD_SIZE": "8"})
+    assert (plan.tp, plan.cp, plan.world) == (2, 2, 8)
 
 
 def test_a_variants_settings_run_it_without_auto():
-    from coc_inject.bench.tune_attention import fixed_settings
+    from coc_inject.bench.tune_attention import fixed_settings, shell_lines
     from coc_inject.context_parallel.attention import Variant
 
-    assert Variant("ring", window=2).settings() == {"COC_CP_ALGO": "ring", "COC_CP_WINDOW": "2"}
+    assert Variant("ring", window=2).settings() == {"COC_CP_ALGO": "ring", "COC_CP_WINDOW": "2",
+                                                    "COC_CP_ULYSSES_DEGREE": None}
     assert Variant("hybrid", window=2, ulysses_degree=4).settings() == {
-        "COC_CP_ALGO": "hybrid", "COC_CP_ULYSSES_DEGREE": "4", "COC_CP_WINDOW": "2"}
-    assert Variant("ulysses", ulysses_degree=4).settings() == {"COC_CP_ALGO": "ulysses"}
-    ring, allgather = {"settings": {"COC_CP_ALGO": "ring"}}, {"settings": {"COC_CP_ALGO": "allgather"}}
-    assert fixed_settings([ring, ring]) == {"COC_CP_ALGO": "ring"}
-    assert fixed_settings([ring, allgather]) is None
+        "COC_CP_ALGO": "hybrid", "COC_CP_WINDOW": "2", "COC_CP_ULYSSES_DEGREE": "4"}
+    ulysses = Variant("ulysses", ulysses_degree=4).settings()
+    assert shell_lines(ulysses) == ["export COC_CP_ALGO=ulysses COC_CP_WINDOW=1", "unset COC_CP_ULYSSES_DEGREE"]
+    ring = {"settings": Variant("ring").settings()}
+    assert fixed_settings([ring, ring]) == Variant("ring").settings()
+    assert fixed_settings([ring, {"settings": ulysses}]) is None
+
+
+@pytest.mark.parametrize("argv,environ,message", [
+    (["--attention-mask", "none"], {"COC_CP_MASK_TYPE": "causal"},
+     "--attention-mask=none disagrees with COC_CP_MASK_TYPE=causal"),
+    ([], {"RANK": "0", "WORLD_SIZE": "8"}, "--cp=2 under torchrun needs --tp (the job's tensor-parallel size)"),
+    (["--tp", "2"], {"RANK": "0", "WORLD_SIZE": "6"},
+     "the world size 6 (WORLD_SIZE) is invalid with --tp=2 --cp=2: expected a multiple of --tp x --cp (4)"),
+])
+def test_attention_errors_that_depend_on_the_environment(argv, environ, message, capsys):
+    with pytest.raises(SystemExit):
+        _resolve(["--shape", "attention:64,1,4,4,16", "--cp", "2", *argv], environ)
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -305,14 +334,21 @@ def test_a_variants_settings_run_it_without_auto():
     (["--shape", "attention:64,1,4,4,16"], "--shape attention:... needs --cp >= 2 (got --cp=1)"),
     (["--shape", "attention:60,1,4,4,16", "--cp", "4"], "--shape attention:60,1,4,4,16 is invalid: the "
                                                          "sequence 60 is not a multiple of 2 x --cp (8)"),
+    (["--shape", "attention:64,1,4,4,16", "--cp", "2", "--shape", "row:8,8,8"],
+     "--tp=1 is invalid: expected an integer >= 2 (TP 1 has no collective to overlap) (with --cp, TP defaults to 1"),
+    (["--hidden", "32", "--ffn", "64", "--seq", "30", "--micro-batch", "1", "--heads", "4", "--cp", "2"],
+     "--seq=30 is invalid: expected a multiple of 2 x --cp (4)"),
+    (["--hidden", "32", "--ffn", "64", "--seq", "20", "--micro-batch", "1", "--heads", "4", "--cp", "2", "--tp", "4",
+      "--sequence-parallel"], "--seq=20 is invalid: expected a multiple of --tp x --cp (8), with --sequence-parallel"),
+    (["--shape", "row:8,8,8", "--attention-mask", "none"], "--attention-mask=none is for attention shapes"),
+    (["--shape", "row:8,8,8", "--recompute-activations"], "--recompute-activations is for attention shapes"),
     (["--shape", "attention:64,1,4,3,16", "--cp", "2"], "3 key/value groups do not divide 4 heads"),
     (["--shape", "attention:64,1,4,2,16", "--cp", "2", "--tp", "4"],
      "heads (4) and key/value groups (2) must be multiples of --tp (4)"),
     (["--shape", "attention:64,1,4,4,16", "--cp", "2", "--tp", "2", "--world", "6"],
-     "--tp=2 with --cp=2 is invalid: expected --tp x --cp (4) to divide the world size (6)"),
+     "--world=6 is invalid with --tp=2 --cp=2: expected a multiple of --tp x --cp (4)"),
     (["--hidden", "32", "--ffn", "64", "--seq", "16", "--micro-batch", "1", "--cp", "2"],
      "--cp=2 with the model dimensions needs --heads"),
-    (["--shape", "attention:64,1,4,4,16", "--cp", "2", "--shape", "row:8,8,8"], "--tp=1 is invalid"),
 ])
 def test_bad_arguments_name_the_option_the_value_and_what_is_allowed(argv, message, capsys, monkeypatch):
     from coc_inject.cli import main

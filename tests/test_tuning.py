@@ -11,6 +11,7 @@ import pytest
 from coc_inject import tuning
 from coc_inject.tune_cache import TuneCache
 from coc_inject.tuning import DecisionKey
+from scope import newest_only
 
 KEY = DecisionKey("row", 32, 32, 32, "float32", 2, "cpu", True)
 
@@ -74,6 +75,7 @@ def _writer(path, worker, count):
         cache.put(json.dumps([worker, i]), 2 + (i % 3), {1: 1.0})
 
 
+@newest_only  # the cache file's locking: no Megatron in it
 def test_concurrent_writers_lose_nothing(tmp_path):
     path = str(tmp_path / "tune.json")
     context = multiprocessing.get_context("spawn")
@@ -132,6 +134,7 @@ def test_one_rank_skewed_every_rank_decides_the_same(pool2, slow, expect_coc):
         assert result["errors"] <= 1e-5
 
 
+@newest_only  # the agreement over 4 ranks (2 ranks: every release)
 def test_skew_on_four_ranks(pool4):
     results = pool4.run("tuning_cases:auto_call", kind="column", sequence_parallel=True, seq=32,
                         skew={3: ((1,), 0.05)})
@@ -183,6 +186,7 @@ def test_auto_on_one_rank_fixed_on_another_is_an_error_everywhere(pool2):
         assert message is not None and "differs across the ranks" in message
 
 
+@newest_only  # coc-inject's CLI
 def test_cli_modes_accept_auto():
     from coc_inject.cli import toggles
 

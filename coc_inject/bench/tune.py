@@ -5,23 +5,25 @@
     coc-inject tune --hidden 4096 --ffn 11008 --seq 32768 --micro-batch 1 --heads 32 --tp 2 --cp 2
     coc-inject tune --shape attention:32768,1,32,8,128 --cp 4       # the core attention alone, TP 1
     torchrun --nproc-per-node 8 -m coc_inject tune --tp 8 ...      # on the job's devices
+    torchrun --nproc-per-node 8 -m coc_inject tune --tp 4 --cp 2 ...
 
 Each shape runs once, forward and backward, through the real megatron-core layer with CoC
 installed as ``COC_PARALLEL_NUM=auto`` would install it, so the engine's own tuner makes the
 decision (its trials: Megatron's path and each candidate chunk count, max over the ranks) and
 writes it to the tune cache, exactly as a job's first call would. A job with the same decision
-key and hardware identity (device or host, world size, TP size, backend) then takes it from the
+key and hardware identity (device or host, world size, TP or CP size, backend) then takes it from the
 cache and runs no trials. Printed: a table (shape -> chosen N, each candidate's time) and the
 equivalent ``COC_CUSTOMIZED`` for jobs that do not use ``auto``.
 
 With ``--cp`` >= 2 the attention shapes (``--shape attention:...``, or the model dimensions with
 ``--heads``) are decided too, through Megatron's local attention with ``COC_CP_ALGO=auto``
-(coc_inject.bench.tune_attention); Megatron's parallel state gets the job's TP and CP sizes.
+(coc_inject.bench.tune_attention); Megatron's parallel state gets the job's TP and CP sizes
+(under torchrun give ``--tp`` with ``--cp``: the rest of the job may be data-parallel).
 
 Where it runs is ``coc-inject bench``'s choice: local CPU ranks over gloo (``--world``, default
 ``--tp`` x ``--cp``), or, under torchrun, every rank of the job on its device (``COC_BENCH_DEVICE=npu`` on
 Ascend). Model dimensions map to the GPT layer's four tensor-parallel linears; ``m`` is
-``seq x micro-batch`` (all rows, also under sequence parallelism).
+``seq / CP x micro-batch`` (all of a CP rank's rows, also under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -68,13 +70,15 @@ def _option(name: str) -> str:
 def parse_shape(text: str):
     """A Target, or a tune_attention.AttentionTarget for ``attention:...``."""
     case, _, dims = text.partition(":")
-    words = dims.split(",")
-    if case.strip() == "attention":
-        return tune_attention.parse_shape(text, words, argparse.ArgumentTypeError)
-    if case.strip() not in CASES or len(words) != 3 or not all(
-            w.strip().isascii() and w.strip().isdigit() and int(w) >= 1 for w in words):
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {SHAPE_ALLOWED}")  # argparse names --shape
-    return Target("--shape", case.strip(), *(int(w) for w in words))
+    case, words = case.strip(), dims.split(",")
+    numbers = [int(w) for w in words if w.strip().isascii() and w.strip().isdigit() and int(w) >= 1]
+    if case == "attention" and len(numbers) == len(words) == 5:
+        return tune_attention.AttentionTarget("--shape", *numbers)
+    if case in CASES and len(numbers) == len(words) == 3:
+        return Target("--shape", case, *numbers)
+    allowed = (tune_attention.SHAPE_ALLOWED if case == "attention" else
+               SHAPE_ALLOWED if case in CASES else f"{SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}")
+    raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {allowed}")  # argparse names --shape
 
 
 def positive(text: str) -> int:
@@ -105,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--column-backward", action="store_true",
                        help="without sequence parallelism, also tune linear_qkv/linear_fc1 (their CoC runs only "
                             "with COC_ENABLE_IN_COLUMN_BACKWARD=1)")
+    model.add_argument("--recompute-activations", action="store_true",
+                       help="as Megatron's flag (selective recompute of the core attention): its first call "
+                            "runs without autograd, so the forward-only attention key is tuned too")
     where = parser.add_argument_group("where and how")
     where.add_argument("--tp", type=positive, help="tensor-parallel size (default: 2 local ranks, 1 with --cp; "
                        "under torchrun the whole job / --cp)")
@@ -124,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def model_targets(args, tp: int, error) -> tuple[list, list]:
-    """The GPT layer's Targets for the model dimensions (none given: none); and notes."""
+def model_targets(args, tp: int, error, cp: int = 1) -> tuple[list, list]:
+    """The GPT layer's Targets for the model dimensions (none given: none); and notes. Each CP rank's
+    linears see seq / CP tokens."""
     given = [name for name in MODEL_OPTIONS if getattr(args, name) is not None]
     if not given:
         for name in ("heads", "num_query_groups"):
@@ -156,9 +164,14 @@ def model_targets(args, tp: int, error) -> tuple[list, list]:
             error(f"--num-query-groups={groups} is invalid: expected a divisor of --heads ({args.heads})")
         multiple_of_tp("--num-query-groups", groups)
         qkv = hidden + 2 * groups * (hidden // args.heads)
-    m = args.seq * args.micro_batch
+    if cp > 1 and args.seq % (2 * cp):
+        error(f"--seq={args.seq} is invalid: expected a multiple of 2 x --cp ({2 * cp}): Megatron's context-parallel "
+              "layout cuts the sequence into 2*CP equal chunks")
+    m = args.seq // cp * args.micro_batch
     sp = args.sequence_parallel
-    if sp:
+    if sp and cp > 1 and (args.seq // cp) % tp:
+        error(f"--seq={args.seq} is invalid: expected a multiple of --tp x --cp ({tp * cp}), with --sequence-parallel")
+    elif sp:
         multiple_of_tp("--seq", args.seq, "--tp, with --sequence-parallel")
     row, column = ("row-sp", "column-sp") if sp else ("row", "column-bwd")
     fc1 = (2 if args.swiglu else 1) * ffn
@@ -196,20 +209,23 @@ def resolve(args, parser, environ) -> Plan:
                      f"({environ.get('WORLD_SIZE')}) is the world")
     cp = args.cp
     world_now = int(environ.get("WORLD_SIZE", "1")) if under_torchrun else None
-    if world_now is not None and world_now % cp:
-        parser.error(f"--cp={cp} is invalid: expected a divisor of the world size ({world_now})")
-    tp = args.tp or (world_now // cp if world_now else 2 if cp == 1 else 1)
+    if world_now is not None and cp > 1 and args.tp is None:
+        # The rest of a job may be data- or pipeline-parallel: the heads per rank depend on TP.
+        parser.error(f"--cp={cp} under torchrun needs --tp (the job's tensor-parallel size)")
+    tp = args.tp or (world_now if world_now else 2 if cp == 1 else 1)
     world = world_now or args.world or tp * cp
     if world % (tp * cp):
-        parser.error(f"--tp={tp} is invalid: expected a divisor of the world size ({world})" if cp == 1 else
-                     f"--tp={tp} with --cp={cp} is invalid: expected --tp x --cp ({tp * cp}) to divide the world "
-                     f"size ({world})")
+        if cp == 1:
+            parser.error(f"--tp={tp} is invalid: expected a divisor of the world size ({world})")
+        where = f"--world={world}" if args.world is not None else f"the world size {world} (WORLD_SIZE)"
+        parser.error(f"{where} is invalid with --tp={tp} --cp={cp}: expected a multiple of --tp x --cp ({tp * cp})")
     shapes = [t for t in args.shape if isinstance(t, Target)]
     attention = [t for t in args.shape if not isinstance(t, Target)]
     model_given = any(getattr(args, name) is not None for name in MODEL_OPTIONS)
     if tp < 2 and (shapes or not (attention or (model_given and cp > 1))):
-        parser.error(f"--tp={tp} is invalid: expected an integer >= 2 (TP 1 has no collective to overlap)")
-    targets, notes = model_targets(args, tp, parser.error)
+        default = " (with --cp, TP defaults to 1: give the job's --tp)" if args.tp is None else ""
+        parser.error(f"--tp={tp} is invalid: expected an integer >= 2 (TP 1 has no collective to overlap){default}")
+    targets, notes = model_targets(args, tp, parser.error, cp)
     if tp < 2 and targets:
         targets, notes = [], ["TP 1: the linears have no collective to overlap; only the attention is tuned"]
     for target in shapes:
@@ -223,10 +239,16 @@ def resolve(args, parser, environ) -> Plan:
         if args.heads is None:
             parser.error(f"--cp={cp} with the model dimensions needs --heads (the attention's heads)")
         attention.insert(0, tune_attention.model_target(args))
+    for target in attention:
+        if target.layer == "--shape":
+            tune_attention.check_shape(target, tp, cp, parser.error)
+    for option, given in (("--attention-mask=none", args.attention_mask == "none"),
+                          ("--recompute-activations", args.recompute_activations)):
+        if given and not attention:
+            parser.error(f"{option} is for attention shapes: they need --cp >= 2 (and --shape attention:... or the "
+                         "model dimensions with --heads)")
     if args.attention_mask == "none":
         attention = [dataclasses.replace(t, causal=False) for t in attention]
-    for target in attention:
-        tune_attention.check(target, tp, cp, parser.error)
     if not targets and not attention:
         parser.error("nothing to tune: give --shape CASE:M,K,N (repeatable) and/or the model dimensions "
                      f"{', '.join(map(_option, MODEL_OPTIONS))}")
@@ -263,7 +285,8 @@ def tune_rank(args, device) -> dict | None:
     log.configure(plan.config.log_level)  # rank 0 logs each decision as it is made
     dtype = getattr(torch, args.dtype)
     measured = {"linears": _tune_linears(plan, dtype, device) if plan.targets else None,
-                "attention": (tune_attention.tune_rank(plan.attention, plan.config, dtype, device, plan.tp, plan.cp)
+                "attention": (tune_attention.tune_rank(plan.attention, plan.config, dtype, device, plan.tp, plan.cp,
+                                                       args.recompute_activations)
                               if plan.attention else None)}
     return measured if dist.get_rank() == 0 else None
 
@@ -360,7 +383,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.plan = resolve(args, parser, os.environ)
-    args.tp, args.cp_size = args.plan.tp, args.plan.cp  # Megatron's parallel state (coc_inject.bench.run)
+    # Megatron's parallel state (coc_inject.bench.run.initialize_megatron; bench's own --cp is a list of sizes)
+    args.tp, args.cp_size = args.plan.tp, args.plan.cp
     args.link = None  # the cache identity is the host's: an emulated link would be cached as plain loopback
     measured = (run.run_torchrun(args, tune_rank) if "RANK" in os.environ
                 else run.run_local(args, tune_rank, args.plan.world, "coc-inject tune"))
@@ -427,7 +451,7 @@ def print_attention(args, measured: dict, cache) -> None:
         print("the attention shapes chose different algorithms: keep COC_CP_ALGO=auto (with this cache) to run each")
     else:
         print("the same choice for a job without auto:")
-        print("export " + " ".join(f"{name}={value}" for name, value in fixed.items()))
+        print("\n".join(tune_attention.shell_lines(fixed)))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ with coc-inject's context parallelism installed as ``COC_CP_ALGO=auto`` installs
 the mask, as in the job), so the engine's tuner makes the decision and caches it under the same
 key and hardware identity (device or host, world size, CP size, backend) that the job's first
 call looks up. Megatron's model parallel state is initialised with the job's TP and CP sizes.
+With selective recompute of the core attention (``--recompute-activations``) a job's first call
+runs without autograd (inside the checkpoint's forward): that forward-only key is decided too.
 """
 
 from __future__ import annotations
@@ -29,39 +31,34 @@ class AttentionTarget:
     causal: bool = True
 
     def text(self) -> str:
-        """As --shape would give it."""
+        """As --shape gives it."""
         return f"attention:{self.seq},{self.batch},{self.heads},{self.groups},{self.dim}"
 
 
-def parse_shape(text: str, words: list, error) -> AttentionTarget:
-    if len(words) != 5 or not all(w.strip().isascii() and w.strip().isdigit() and int(w) >= 1 for w in words):
-        raise error(f"{text!r} is invalid: expected {SHAPE_ALLOWED}")
-    return AttentionTarget("--shape", *(int(w) for w in words))
-
-
 def model_target(args) -> AttentionTarget:
-    """The GPT layer's core attention for the model dimensions (head dim = hidden / heads, as
-    Megatron's default kv_channels; another head dim: --shape attention:...)."""
+    """The GPT layer's core attention for the model dimensions (checked by tune.model_targets;
+    head dim = hidden / heads, Megatron's default kv_channels; another head dim: --shape)."""
     return AttentionTarget("core_attention", args.seq, args.micro_batch, args.heads,
                            args.num_query_groups or args.heads, args.hidden // args.heads)
 
 
-def check(target: AttentionTarget, tp: int, cp: int, error) -> None:
-    """The shape fits Megatron at this TP and CP (parser error otherwise)."""
-    where = f"--shape {target.text()}" if target.layer == "--shape" else f"the model's attention ({target.text()})"
+def check_shape(target: AttentionTarget, tp: int, cp: int, error) -> None:
+    """A --shape fits Megatron at this TP and CP (parser error otherwise)."""
+    where = f"--shape {target.text()} is invalid"
     if target.heads % target.groups:
-        error(f"{where} is invalid: {target.groups} key/value groups do not divide {target.heads} heads")
+        error(f"{where}: {target.groups} key/value groups do not divide {target.heads} heads")
     if target.heads % tp or target.groups % tp:
-        error(f"{where} is invalid: heads ({target.heads}) and key/value groups ({target.groups}) must be "
-              f"multiples of --tp ({tp})")
+        error(f"{where}: heads ({target.heads}) and key/value groups ({target.groups}) must be multiples of --tp "
+              f"({tp})")
     if target.seq % (2 * cp):
-        error(f"{where} is invalid: the sequence {target.seq} is not a multiple of 2 x --cp ({2 * cp}): Megatron's "
-              "layout cuts it into 2*CP equal chunks")
+        error(f"{where}: the sequence {target.seq} is not a multiple of 2 x --cp ({2 * cp}): Megatron's layout "
+              "cuts it into 2*CP equal chunks")
 
 
-def tune_rank(targets, config, dtype, device, tp: int, cp: int) -> dict:
-    """Every rank: each target once, fwd+bwd, through Megatron's attention with auto installed.
-    Returns the decisions, the hardware identity and the candidates' settings."""
+def tune_rank(targets, config, dtype, device, tp: int, cp: int, forward_only_too: bool) -> dict:
+    """Every rank: each target once, fwd+bwd (and forward alone without autograd when
+    ``forward_only_too``), through Megatron's attention with auto installed. Returns the
+    decisions, the hardware identity and the candidates' settings."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.transformer import dot_product_attention
@@ -71,9 +68,7 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int) -> dict:
     from coc_inject.context_parallel import groups, install
     from coc_inject.tuning import hardware_identity
 
-    degree = config.cp_ulysses_degree
-    if degree is not None and 1 < degree < cp and cp % degree == 0:
-        groups.make_ulysses_groups(degree, parallel_state.get_context_parallel_global_ranks())
+    groups.make_configured(config.cp_ulysses_degree, parallel_state)
     install.install(config, dot_product_attention)
     settings = {}
     try:
@@ -91,6 +86,9 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int) -> dict:
             q = torch.randn(rows, target.batch, target.heads // tp, target.dim, dtype=dtype, device=device)
             k, v = (torch.randn(rows, target.batch, target.groups // tp, target.dim, dtype=dtype, device=device)
                     for _ in range(2))
+            if forward_only_too:
+                with torch.no_grad():
+                    layer(q, k, v, None)
             inputs = [t.requires_grad_(True) for t in (q, k, v)]
             out = layer(*inputs, None)
             out.backward(torch.ones_like(out))
@@ -103,39 +101,37 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int) -> dict:
 
 
 def rows_for(targets, measured: dict, entries: dict) -> list:
-    """One row per target: the key, its decision, the candidates' times (trials, or as cached),
-    what the cache holds for it."""
+    """One row per decision key of each target (with backward, and forward-only where tuned): its
+    decision, the candidates' times (trials, or as cached), what the cache holds for it."""
     from coc_inject.tune_cache import TuneCache
 
     rows = []
     for target in dict.fromkeys(targets):
-        key, decision = _decision_of(target, measured["decisions"])
-        entry = entries.get(TuneCache.key(key, measured["identity"]))
-        times = (dict(decision.times_ms) if decision.times_ms
-                 else dict(entry.get("times_ms", {})) if isinstance(entry, dict) else {})
-        rows.append({"layer": target.layer, "key": key.text(), "choice": decision.choice, "source": decision.source,
-                     "times_ms": times, "noise_ms": decision.noise_ms if decision.times_ms else None,
-                     "cached": entry.get("choice") if isinstance(entry, dict) else None,
-                     "settings": measured["settings"][decision.choice]})
+        for key, decision in _decisions_of(target, measured["decisions"]):
+            entry = entries.get(TuneCache.key(key, measured["identity"]))
+            times = (dict(decision.times_ms) if decision.times_ms
+                     else dict(entry.get("times_ms", {})) if isinstance(entry, dict) else {})
+            rows.append({"layer": target.layer, "key": key.text(), "choice": decision.choice,
+                         "source": decision.source, "times_ms": times,
+                         "noise_ms": decision.noise_ms if decision.times_ms else None,
+                         "cached": entry.get("choice") if isinstance(entry, dict) else None,
+                         "settings": measured["settings"][decision.choice]})
     return rows
 
 
-def _decision_of(target, decisions: dict) -> tuple:
-    """(key, decision) of ``target``: its dimensions (heads per TP rank), and its mask where two
-    keys differ only by that (COC_CP_MASK_TYPE=general makes a causal layer's key a no-mask one)."""
+def _decisions_of(target, decisions: dict) -> list:
+    """The (key, decision) pairs of ``target``'s dimensions (heads per TP rank), with backward first."""
     found = [(key, decision) for key, decision in decisions.items()
              if (key.seq, key.batch, key.heads * key.tp, key.groups * key.tp, key.dim)
              == (target.seq, target.batch, target.heads, target.groups, target.dim)]
-    if len(found) > 1:
-        found = [(key, decision) for key, decision in found if key.causal == target.causal]
-    if len(found) != 1:
-        raise SystemExit(f"coc-inject tune: the engine made no decision for the attention {target.text()}: the call "
-                         "went to Megatron's own attention before tuning (COC_LOG_LEVEL=debug says why)")
-    return found[0]
+    if not found:
+        raise SystemExit(f"coc-inject tune: the engine made no decision for {target.text()}: the call went to "
+                         "Megatron's own attention before tuning (COC_LOG_LEVEL=debug says why)")
+    return sorted(found, key=lambda pair: not pair[0].backward)
 
 
 def format_table(rows) -> str:
-    table = [["layer", "decision key", "algorithm", "source", "fwd+bwd ms per candidate", "noise ms"]]
+    table = [["layer", "decision key", "algorithm", "source", "ms per candidate", "noise ms"]]
     for row in rows:
         times = ", ".join(f"{name} {t:.3f}" for name, t in row["times_ms"].items()) or "-"
         table.append([row["layer"], row["key"], row["choice"], row["source"], times,
@@ -148,3 +144,10 @@ def fixed_settings(rows) -> dict | None:
     """The COC_CP_* settings of the one algorithm every row chose (None: the rows differ)."""
     chosen = {tuple(sorted(row["settings"].items())) for row in rows}
     return dict(chosen.pop()) if len(chosen) == 1 else None
+
+
+def shell_lines(settings: dict) -> list:
+    """``export``/``unset`` lines that set exactly ``settings`` (None: unset)."""
+    exports = " ".join(f"{name}={value}" for name, value in settings.items() if value is not None)
+    unset = " ".join(name for name, value in settings.items() if value is None)
+    return [f"export {exports}"] + ([f"unset {unset}"] if unset else [])

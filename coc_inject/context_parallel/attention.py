@@ -51,13 +51,9 @@ class Variant:
         return self.algorithm
 
     def settings(self) -> dict:
-        """The COC_CP_* variables that run this variant without auto."""
-        settings = {"COC_CP_ALGO": self.algorithm}
-        if self.algorithm == HYBRID:
-            settings["COC_CP_ULYSSES_DEGREE"] = str(self.ulysses_degree)
-        if self.window > 1:
-            settings["COC_CP_WINDOW"] = str(self.window)
-        return settings
+        """The COC_CP_* variables that run this variant without auto (None: must be unset)."""
+        return {"COC_CP_ALGO": self.algorithm, "COC_CP_WINDOW": str(self.window),
+                "COC_CP_ULYSSES_DEGREE": str(self.ulysses_degree) if self.algorithm == HYBRID else None}
 
 
 @dataclass

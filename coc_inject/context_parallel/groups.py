@@ -28,6 +28,13 @@ def make_ulysses_groups(degree: int, cp_global_ranks) -> None:
                 _made[degree] = group
 
 
+def make_configured(degree: int | None, parallel_state) -> None:
+    """Hybrid's Ulysses groups for COC_CP_ULYSSES_DEGREE where it splits Megatron's CP size (collective)."""
+    cp_size = parallel_state.get_context_parallel_world_size()
+    if degree is not None and 1 < degree < cp_size and cp_size % degree == 0:
+        make_ulysses_groups(degree, parallel_state.get_context_parallel_global_ranks())
+
+
 def ulysses_group(degree: int, megatron_config, parallel_state):
     """This rank's Ulysses group of ``degree`` consecutive CP ranks, or None where none was made."""
     if list(getattr(megatron_config, "hierarchical_context_parallel_sizes", None) or [])[:1] == [degree]:

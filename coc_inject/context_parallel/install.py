@@ -132,10 +132,7 @@ def _patch_parallel_state(parallel_state) -> None:
     def initialize_model_parallel(*args, **kwargs):
         result = original_init(*args, **kwargs)
         config = _state["config"]
-        degree = config.cp_ulysses_degree if config is not None else None
-        cp_size = parallel_state.get_context_parallel_world_size()
-        if degree is not None and 1 < degree < cp_size and cp_size % degree == 0:
-            groups.make_ulysses_groups(degree, parallel_state.get_context_parallel_global_ranks())
+        groups.make_configured(config.cp_ulysses_degree if config is not None else None, parallel_state)
         return result
 
     @functools.wraps(original_destroy)
