@@ -163,8 +163,8 @@ def test_attention_shapes_are_decided_by_the_engine_and_cached(tmp_path):
     # CP 4 with a Ulysses degree of 2: ring, ulysses, allgather and hybrid are the job's candidates.
     cache = tmp_path / "tune.json"
     # The second shape also forward-only: selective recompute runs a job's first call without autograd.
-    argv = ["--shape", "attention:64,1,4,4,16", "--shape", "attention:32,1,4,2,8", "--cp", "4", "--recompute-activations",
-            "--cache", str(cache)]
+    argv = ["--shape", "attention:64,1,4,4,16", "--shape", "attention:32,1,4,2,8", "--cp", "4",
+            "--recompute-activations", "--cache", str(cache)]
     first, rows, job_env = run_tune_attention(*argv, env={"COC_CP_ULYSSES_DEGREE": "2"})
     entries = attention_entries(cache)
     keys = [(64, 1, 4, 4, 16, True, 4, 1, True), (64, 1, 4, 4, 16, True, 4, 1, False),
@@ -253,7 +253,8 @@ def test_config_is_auto_with_the_jobs_other_settings_and_the_cache():
     assert (plan.tp, plan.world) == (4, 4)
 
 
-MODEL = ["--hidden", "64", "--ffn", "128", "--seq", "32", "--micro-batch", "2", "--heads", "8", "--num-query-groups", "4"]
+MODEL = ["--hidden", "64", "--ffn", "128", "--seq", "32", "--micro-batch", "2", "--heads", "8",
+         "--num-query-groups", "4"]
 
 
 def test_cp_adds_the_core_attention_of_the_model_and_sizes_the_world():
@@ -339,7 +340,7 @@ def test_attention_errors_that_depend_on_the_environment(argv, environ, message,
     (["--hidden", "32", "--ffn", "64", "--seq", "30", "--micro-batch", "1", "--heads", "4", "--cp", "2"],
      "--seq=30 is invalid: expected a multiple of 2 x --cp (4)"),
     (["--hidden", "32", "--ffn", "64", "--seq", "20", "--micro-batch", "1", "--heads", "4", "--cp", "2", "--tp", "4",
-      "--sequence-parallel"], "--seq=20 is invalid: expected a multiple of --tp x --cp (8), with --sequence-parallel"),
+      "--sequence-parallel"], "--seq=20 is invalid: expected a multiple of --tp x --cp, with --sequence-parallel (8)"),
     (["--shape", "row:8,8,8", "--attention-mask", "none"], "--attention-mask=none is for attention shapes"),
     (["--shape", "row:8,8,8", "--recompute-activations"], "--recompute-activations is for attention shapes"),
     (["--shape", "attention:64,1,4,3,16", "--cp", "2"], "3 key/value groups do not divide 4 heads"),

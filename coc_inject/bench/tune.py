@@ -43,8 +43,8 @@ SHAPE_ALLOWED = (f"CASE:M,K,N with CASE one of {', '.join(CASES)} and M, K, N in
                  "(the engine's [m, k, n]: Row k = input size / TP; Column m = all rows, n = output size / TP)")
 MODEL_OPTIONS = ("hidden", "ffn", "seq", "micro_batch")
 # Variables whose settings tune replaces (auto everywhere, trials on, no report).
-SET_BY_TUNE = ("COC_DISABLE", "COC_PARALLEL_NUM", "COC_CP_ALGO", "USE_COC_FUSED_KERNEL", "COC_CUSTOMIZED", "COC_DETERMINISTIC",
-               "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_REPORT")
+SET_BY_TUNE = ("COC_DISABLE", "COC_PARALLEL_NUM", "COC_CP_ALGO", "USE_COC_FUSED_KERNEL", "COC_CUSTOMIZED",
+               "COC_DETERMINISTIC", "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_REPORT")
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "runs without autograd, so the forward-only attention key is tuned too")
     where = parser.add_argument_group("where and how")
     where.add_argument("--tp", type=positive, help="tensor-parallel size (default: 2 local ranks, 1 with --cp; "
-                       "under torchrun the whole job / --cp)")
+                       "under torchrun the whole job, and required with --cp)")
     where.add_argument("--cp", type=positive, default=1, help="context-parallel size (default 1); >= 2 also tunes "
                        "the attention shapes (COC_CP_ALGO=auto)")
     where.add_argument("--attention-mask", choices=["causal", "none"], default="causal",
@@ -169,10 +169,9 @@ def model_targets(args, tp: int, error, cp: int = 1) -> tuple[list, list]:
               "layout cuts the sequence into 2*CP equal chunks")
     m = args.seq // cp * args.micro_batch
     sp = args.sequence_parallel
-    if sp and cp > 1 and (args.seq // cp) % tp:
-        error(f"--seq={args.seq} is invalid: expected a multiple of --tp x --cp ({tp * cp}), with --sequence-parallel")
-    elif sp:
-        multiple_of_tp("--seq", args.seq, "--tp, with --sequence-parallel")
+    if sp and (args.seq // cp) % tp:
+        sizes = "--tp" if cp == 1 else "--tp x --cp"
+        error(f"--seq={args.seq} is invalid: expected a multiple of {sizes}, with --sequence-parallel ({tp * cp})")
     row, column = ("row-sp", "column-sp") if sp else ("row", "column-bwd")
     fc1 = (2 if args.swiglu else 1) * ffn
     layers = [("linear_qkv", column, m, hidden, qkv // tp), ("linear_proj", row, m, hidden // tp, hidden),
@@ -279,9 +278,9 @@ def tune_rank(args, device) -> dict | None:
     import torch
     import torch.distributed as dist
 
-    plan = args.plan
     from coc_inject import log
 
+    plan = args.plan
     log.configure(plan.config.log_level)  # rank 0 logs each decision as it is made
     dtype = getattr(torch, args.dtype)
     measured = {"linears": _tune_linears(plan, dtype, device) if plan.targets else None,
