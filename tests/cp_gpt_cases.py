@@ -58,10 +58,24 @@ def setup(tp: int, cp: int, coc: dict | None = None, hierarchical=None):
         install.install(CocConfig(**coc), dot_product_attention, parallel_state)
     key = (tp, cp, hierarchical, (coc or {}).get("cp_ulysses_degree"))
     if key != _parallel_state_key:
-        groups.forget()
+        groups.release()
         reinitialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                     hierarchical_context_parallel_sizes=hierarchical)
         _parallel_state_key = key
+
+
+def ulysses_groups_destroyed_with_megatrons():
+    """Hybrid's Ulysses group: live after initialize_model_parallel, destroyed by destroy_model_parallel."""
+    from megatron.core import parallel_state
+
+    global _parallel_state_key
+    setup(1, 4, coc={"cp_algo": "hybrid", "cp_ulysses_degree": 2})
+    group = groups.ulysses_group(2, None, parallel_state)
+    live = group in dist.distributed_c10d._world.pg_map
+    parallel_state.destroy_model_parallel()
+    _parallel_state_key = None  # the next setup initialises again
+    return {"live": live, "destroyed": group not in dist.distributed_c10d._world.pg_map,
+            "forgotten": groups.ulysses_group(2, None, parallel_state) is None}
 
 
 def build_gpt(tp, cp, *, heads=4, groups=None, hidden=64, layers=2, seq=64, vocab=128, rope=False, sp=False,

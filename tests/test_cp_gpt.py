@@ -159,6 +159,12 @@ def test_ranks_with_different_algorithms_fail_alike(pool):
     assert all(e is not None and "differs across the ranks" in e for e in errors), errors
 
 
+@full_only
+def test_hybrid_ulysses_groups_are_destroyed_with_megatrons(pool):
+    got = pool.run("tests.cp_gpt_cases:ulysses_groups_destroyed_with_megatrons")
+    assert got == [{"live": True, "destroyed": True, "forgotten": True}] * 4, got
+
+
 # -- COC_CP_ALGO=auto ------------------------------------------------------------------------
 
 

@@ -95,7 +95,7 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int, forward_only_too
         decisions = install.auto_decisions()
     finally:
         install.uninstall()
-        groups.forget()
+        groups.release()
     return {"decisions": decisions, "settings": settings,
             "identity": hardware_identity(device, parallel_state.get_context_parallel_group(), "CP")}
 

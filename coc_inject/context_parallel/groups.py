@@ -44,5 +44,12 @@ def ulysses_group(degree: int, megatron_config, parallel_state):
     return _made.get(degree)
 
 
-def forget() -> None:
+def release() -> None:
+    """Destroy the groups made here (as Megatron's destroy_model_parallel destroys its gloo groups: a
+    live group keeps its communicator and threads) and forget them."""
+    for group in _made.values():
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError, AssertionError):
+            pass  # the default group, and with it every group, is already gone
     _made.clear()

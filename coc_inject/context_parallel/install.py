@@ -5,7 +5,7 @@ the two post-import hooks that do it (registered by bootstrap).
   class ``DotProductAttention`` are replaced (a subclass with its own ``__init__``/``forward`` keeps
   them); a layer built with CP = 1 runs Megatron's code unchanged.
 * ``megatron.core.parallel_state``: ``initialize_model_parallel`` also makes hybrid's Ulysses
-  groups (groups.py), where every rank passes; ``destroy_model_parallel`` forgets them.
+  groups (groups.py), where every rank passes; ``destroy_model_parallel`` destroys them.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _patch_parallel_state(parallel_state) -> None:
 
     @functools.wraps(original_destroy)
     def destroy_model_parallel(*args, **kwargs):
-        groups.forget()
+        groups.release()
         return original_destroy(*args, **kwargs)
 
     _patch(parallel_state, "initialize_model_parallel", initialize_model_parallel)
