@@ -437,8 +437,8 @@ def print_attention(args, measured: dict, cache) -> None:
     entries = TuneCache(cache).entries() if cache is not None else {}
     rows = tune_attention.rows_for(args.plan.attention, measured, entries)
     print(f"coc-inject tune, attention (COC_CP_ALGO=auto): {_describe_where(args)}, {args.dtype}; candidates "
-          f"{', '.join(measured['settings'])} (ring: the baseline); ms: fwd+bwd median of the trials, max over the CP "
-          "group (source cache: the times cached with the decision)")
+          f"{', '.join(measured['settings'])} (ring: the baseline); ms: median of the trials (fwd+bwd; forward-only "
+          "keys: fwd), max over the CP group (source cache: the times cached with the decision)")
     print(tune_attention.format_table(rows))
     for row in rows:
         if cache is not None and row["cached"] != row["choice"]:
