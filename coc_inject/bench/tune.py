@@ -447,7 +447,8 @@ def print_attention(args, measured: dict, cache) -> None:
     print(_cache_line(cache, measured["identity"], "COC_CP_ALGO=auto"))
     fixed = tune_attention.fixed_settings(rows)
     if fixed is None:
-        print("the attention shapes chose different algorithms: keep COC_CP_ALGO=auto (with this cache) to run each")
+        print("the attention shapes chose different algorithms: keep COC_CP_ALGO=auto to run each"
+              + (" (its tune cache holds these decisions)" if cache is not None else ""))
     else:
         print("the same choice for a job without auto:")
         print("\n".join(tune_attention.shell_lines(fixed)))
