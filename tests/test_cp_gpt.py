@@ -14,7 +14,6 @@ from tests.scope import newest_only
 
 # The whole set on the newest release; the older releases (tests/scope.py) run the CP=2 training cases
 # and the construction errors.
-full_only = newest_only
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,7 @@ def test_cp2_equals_cp1(pool, algorithm):
     run(pool, 1, 2, {"cp_algo": algorithm}, [algorithm])
 
 
-@full_only
+@newest_only
 @pytest.mark.parametrize("coc,want", [
     ({"cp_algo": "ring"}, ["ring"]),
     ({"cp_algo": "ring", "cp_window": 2}, ["double-ring w=2"]),
@@ -66,41 +65,41 @@ def test_cp4_equals_cp1(pool, coc, want):
     run(pool, 1, 4, coc, want, seq=128)
 
 
-@full_only
+@newest_only
 @pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
 def test_tp2_cp2_sequence_parallel_gqa(pool, algorithm):
     run(pool, 2, 2, {"cp_algo": algorithm}, [algorithm], heads=8, groups=2, sp=True)
 
 
-@full_only
+@newest_only
 def test_rope(pool):
     run(pool, 1, 2, {"cp_algo": "ring"}, ["ring"], rope=True)
 
 
-@full_only
+@newest_only
 @pytest.mark.parametrize("cp_comm_type,want", [
     ("a2a", ["ulysses"]), ("all_gather", ["allgather"]), (["p2p", "a2a"], ["ring", "ulysses"])])
 def test_megatron_follows_cp_comm_type(pool, cp_comm_type, want):
     run(pool, 1, 2, {"cp_algo": "megatron"}, want, cp_comm_type=cp_comm_type)
 
 
-@full_only
+@newest_only
 def test_layer_called_twice_in_a_step(pool):
     run(pool, 1, 2, {"cp_algo": "ring"}, ["ring"], call_twice=True)
 
 
-@full_only
+@newest_only
 @pytest.mark.parametrize("algorithm", ["ring", "ulysses"])
 def test_no_mask(pool, algorithm):
     run(pool, 1, 2, {"cp_algo": algorithm}, [algorithm], mask="none", mask_type="no_mask")
 
 
-@full_only
+@newest_only
 def test_causal_mask_type_without_a_mask_tensor(pool):
     run(pool, 1, 2, {"cp_algo": "ring"}, ["ring"], mask="none")
 
 
-@full_only
+@newest_only
 def test_saved_memory_is_linear_in_the_sequence_and_a_fraction_of_cp1(pool):
     megatron = pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=1, seq=256)[0]
     for algorithm in ("ring", "ulysses", "allgather"):
@@ -130,7 +129,7 @@ def test_construction_errors_name_the_feature(pool, kwargs, needle):
     assert "ContextParallelError" in message and needle in message, message
 
 
-@full_only
+@newest_only
 @pytest.mark.parametrize("call,needle", [
     (dict(packed_seq_params=object()), "packed sequences"),
     (dict(attention_bias=object()), "attention_bias"),
@@ -141,7 +140,7 @@ def test_call_errors_name_the_feature(pool, call, needle):
     assert all(e is not None and needle in e for e in errors), errors
 
 
-@full_only
+@newest_only
 def test_a_mask_that_is_not_causal_is_refused(pool):
     import torch
 
@@ -151,7 +150,7 @@ def test_a_mask_that_is_not_causal_is_refused(pool):
     assert all(e is not None and "neither causal nor empty" in e for e in errors), errors
 
 
-@full_only
+@newest_only
 def test_ranks_with_different_algorithms_fail_alike(pool):
     coc = [{"cp_algo": "ring"}, {"cp_algo": "ulysses"}, {"cp_algo": "ring"}, {"cp_algo": "ulysses"}]
     errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error",
@@ -159,7 +158,7 @@ def test_ranks_with_different_algorithms_fail_alike(pool):
     assert all(e is not None and "differs across the ranks" in e for e in errors), errors
 
 
-@full_only
+@newest_only
 def test_hybrid_ulysses_groups_are_destroyed_with_megatrons(pool):
     got = pool.run("tests.cp_gpt_cases:ulysses_groups_destroyed_with_megatrons")
     assert got == [{"live": True, "destroyed": True, "forgotten": True}] * 4, got
@@ -180,7 +179,7 @@ def train_auto(pool, tp=1, cp=2, **kwargs):
     return pool.run("tests.cp_gpt_cases:train", tp=tp, cp=cp, **kwargs)
 
 
-@full_only
+@newest_only
 @pytest.mark.parametrize("tp,model", [(1, {}), (2, {"heads": 8, "groups": 2, "sp": True})], ids=["tp1", "tp2-sp-gqa"])
 def test_auto_losses_equal_cp1_and_decide_at_the_first_step(pool, tp, model):
     got = train_auto(pool, tp=tp, coc={"cp_algo": "auto", "tune_cache": None}, **model)
@@ -193,7 +192,7 @@ def test_auto_losses_equal_cp1_and_decide_at_the_first_step(pool, tp, model):
     assert all(len(choices) == 1 for choices in choices_by_cp_group(got).values())
 
 
-@full_only
+@newest_only
 def test_one_rank_skewed_still_one_decision(pool):
     slow = 0.05
     got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": None}, steps=1, skew={1: ("ulysses", slow)})
@@ -206,7 +205,7 @@ def test_one_rank_skewed_still_one_decision(pool):
         assert decisions[rank]["times_ms"]["ulysses"] >= slow * 1e3
 
 
-@full_only
+@newest_only
 def test_cache_round_trip_runs_no_trial(pool, tmp_path):
     cache = str(tmp_path / "tune.json")
     first = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": cache}, steps=1)
@@ -222,7 +221,7 @@ def test_cache_round_trip_runs_no_trial(pool, tmp_path):
         assert b["decisions"][0]["times_ms"] == {}
 
 
-@full_only
+@newest_only
 def test_a_job_takes_the_decision_of_coc_inject_tune_and_runs_no_trial(pool, tmp_path):
     from tests.test_tune_cli import attention_entries, run_tune_attention
 
@@ -238,7 +237,7 @@ def test_a_job_takes_the_decision_of_coc_inject_tune_and_runs_no_trial(pool, tmp
         assert [(d["source"], d["choice"], d["times_ms"]) for d in result["decisions"]] == [("cache", choice, {})]
 
 
-@full_only
+@newest_only
 def test_deterministic_runs_no_trial_and_uses_ring(pool, tmp_path):
     got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": str(tmp_path / "none.json"), "deterministic": True},
                 steps=1)
@@ -247,14 +246,14 @@ def test_deterministic_runs_no_trial_and_uses_ring(pool, tmp_path):
         assert decision["choice"] == "ring" and decision["source"].startswith("deterministic default")
 
 
-@full_only
+@newest_only
 def test_auto_on_some_ranks_and_a_fixed_algorithm_on_others_fails_alike(pool):
     coc = [{"cp_algo": "auto", "tune_cache": None}, {"cp_algo": "ring"}] * 2
     errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error", [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
     assert all(e is not None and "differs across the ranks" in e for e in errors), errors
 
 
-@full_only
+@newest_only
 def test_a_subclass_with_its_own_forward_keeps_megatrons_refusal(pool):
     errors = pool.run("tests.cp_gpt_cases:subclass_with_own_forward_error", coc={"cp_algo": "ring"})
     assert all(e is not None and "only supported by TEDotProductAttention" in e for e in errors), errors

@@ -220,11 +220,14 @@ def resolve(args, parser, environ) -> Plan:
         parser.error(f"{where} is invalid with --tp={tp} --cp={cp}: expected a multiple of --tp x --cp ({tp * cp})")
     shapes = [t for t in args.shape if isinstance(t, Target)]
     attention = [t for t in args.shape if not isinstance(t, Target)]
-    model_given = any(getattr(args, name) is not None for name in MODEL_OPTIONS)
-    if tp < 2 and (shapes or not (attention or (model_given and cp > 1))):
+    targets, notes = model_targets(args, tp, parser.error, cp)  # also checks the dimensions model_target reads
+    if cp > 1 and any(getattr(args, name) is not None for name in MODEL_OPTIONS):
+        if args.heads is None:
+            parser.error(f"--cp={cp} with the model dimensions needs --heads (the attention's heads)")
+        attention.insert(0, tune_attention.model_target(args))
+    if tp < 2 and (shapes or not attention):
         default = " (with --cp, TP defaults to 1: give the job's --tp)" if args.tp is None else ""
         parser.error(f"--tp={tp} is invalid: expected an integer >= 2 (TP 1 has no collective to overlap){default}")
-    targets, notes = model_targets(args, tp, parser.error, cp)
     if tp < 2 and targets:
         targets, notes = [], ["TP 1: the linears have no collective to overlap; only the attention is tuned"]
     for target in shapes:
@@ -234,10 +237,6 @@ def resolve(args, parser, environ) -> Plan:
     targets += shapes
     if attention and cp < 2:
         parser.error(f"--shape attention:... needs --cp >= 2 (got --cp={cp}): at CP 1 the attention is Megatron's own")
-    if cp > 1 and model_given:
-        if args.heads is None:
-            parser.error(f"--cp={cp} with the model dimensions needs --heads (the attention's heads)")
-        attention.insert(0, tune_attention.model_target(args))
     for target in attention:
         if target.layer == "--shape":
             tune_attention.check_shape(target, tp, cp, parser.error)
