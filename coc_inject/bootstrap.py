@@ -27,7 +27,8 @@ TRIGGER = "megatron"
 ARGV_FLAGS = ("--use-ascend-coc", "--coc-fused-kernel", "--coc-parallel-num",
               # context parallelism (the config says when one is given without an algorithm)
               "--context-parallel-algo", "--cp-window-size", "--ulysses-degree-in-cp", "--attention-mask-type")
-CP_VARIABLES = ("COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE", "COC_CP_MASK_TYPE")
+CP_VARIABLES = ("COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE", "COC_CP_MASK_TYPE",
+                "COC_ATTN_KERNEL")  # the config says when COC_ATTN_KERNEL is given alone
 
 _TRUE_WORDS = frozenset(("1", "true", "yes", "on"))
 _FALSE_WORDS = frozenset(("0", "false", "no", "off"))
@@ -69,6 +70,10 @@ def requested(environ=None, argv=None) -> bool:
     for name in ("COC_CUSTOMIZED", "COC_CONFIG") + CP_VARIABLES:
         if _word(environ, name):
             return True
+
+    flash = _word(environ, "COC_FLASH_ATTN")
+    if flash and flash.lower() not in _FALSE_WORDS:
+        return True
 
     for token in argv:
         if isinstance(token, str) and token.startswith("--") and token.partition("=")[0] in ARGV_FLAGS:

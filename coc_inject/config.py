@@ -98,6 +98,11 @@ CP_ULYSSES_ALLOWED = "an integer >= 2 that divides the context-parallel size and
 CP_MASK_TYPES = ("causal", "general")
 CP_MASK_ALLOWED = ("causal or general (any case): causal = the layer's mask is causal (no mask tensor, or a causal "
                    "one); general = the mask tensor decides (none = no mask, a causal one = causal)")
+# The attention kernel (coc_inject.attention_kernels.PREFERENCES; this module stays torch-free).
+ATTN_KERNELS = ("auto", "fused", "reference")
+ATTN_KERNEL_ALLOWED = ("auto, fused or reference (any case): auto = the device's fused flash-attention kernel, the "
+                       "reference kernel where none can run a call (said once); fused = only the fused kernel (an "
+                       "error where none can run); reference = tiled fp32 torch ops (the test oracle)")
 FLAG_NEEDS_USE_ASCEND_COC = "--use-ascend-coc alongside it (MindSpeed only honours the CoC flags with --use-ascend-coc)"
 
 
@@ -165,6 +170,9 @@ class CocConfig:
     cp_window: int = 1
     cp_ulysses_degree: int | None = None
     cp_mask_type: str | None = None
+    # The block kernel of coc-inject's attention (CP and COC_FLASH_ATTN); fused attention at CP = 1.
+    attn_kernel: str = "auto"
+    flash_attn: bool = False
 
     def __post_init__(self):
         # Built by hand (tests, other modules) as well as by load_config, so normalise and
@@ -209,6 +217,8 @@ class CocConfig:
             raise ConfigError(f"{where}.cp_ulysses_degree", self.cp_ulysses_degree, CP_ULYSSES_ALLOWED)
         if self.cp_mask_type is not None and self.cp_mask_type not in CP_MASK_TYPES:
             raise ConfigError(f"{where}.cp_mask_type", self.cp_mask_type, CP_MASK_ALLOWED)
+        if self.attn_kernel not in ATTN_KERNELS:
+            raise ConfigError(f"{where}.attn_kernel", self.attn_kernel, ATTN_KERNEL_ALLOWED)
 
     @property
     def enabled(self) -> bool:
@@ -227,8 +237,13 @@ class CocConfig:
 
     @property
     def armed(self) -> bool:
-        """Does coc-inject patch anything: the linears (enabled) or the attention (cp_algorithm)?"""
-        return self.enabled or self.cp_algorithm is not None
+        """Does coc-inject patch anything: the linears (enabled) or the attention (cp_algorithm, flash_attn)?"""
+        return self.enabled or self.attention_armed
+
+    @property
+    def attention_armed(self) -> bool:
+        """Is Megatron's local attention patched: context parallelism, or the fused kernel at CP = 1?"""
+        return self.cp_algorithm is not None or (self.flash_attn and not self.disabled)
 
     @property
     def mode(self) -> str:
@@ -269,6 +284,8 @@ class CocConfig:
                 "cp_ulysses_degree": self.cp_ulysses_degree, "cp_mask_type": self.cp_mask_type}
                if (self.cp_algo, self.cp_window, self.cp_ulysses_degree, self.cp_mask_type) != (None, 1, None, None)
                else {}),
+            **({"attn_kernel": self.attn_kernel} if self.attn_kernel != "auto" else {}),
+            **({"flash_attn": True} if self.flash_attn else {}),
         }
 
     def fingerprint(self) -> int:
@@ -311,6 +328,8 @@ class CocConfig:
             "cp_window": self.cp_window,
             "cp_ulysses_degree": self.cp_ulysses_degree,
             "cp_mask_type": self.cp_mask_type,
+            "attn_kernel": self.attn_kernel,
+            "flash_attn": self.flash_attn,
         }
 
 
@@ -388,6 +407,13 @@ ENV_REFERENCE = (
             "MindSpeed's --ulysses-degree-in-cp: hybrid's Ulysses group size; the ring runs across the groups."),
     Setting("COC_CP_MASK_TYPE", "(unset: the layer's mask type)", CP_MASK_ALLOWED,
             "MindSpeed's --attention-mask-type for the context-parallel attention."),
+    Setting("COC_ATTN_KERNEL", _DEFAULTS.attn_kernel, ATTN_KERNEL_ALLOWED,
+            "The block kernel of coc-inject's attention (every context-parallel algorithm, and COC_FLASH_ATTN): "
+            "CPU flash, CUDA flash / memory-efficient, Ascend npu_fusion_attention, or the reference."),
+    Setting("COC_FLASH_ATTN", _shown(_DEFAULTS.flash_attn), BOOL_ALLOWED,
+            "Layers built with CP = 1 run the fused attention kernel too, instead of Megatron's unfused [s x s] "
+            "local attention (a call it cannot run exactly, e.g. a padding mask or dropout, goes to Megatron's "
+            "path with a reason). Arms coc-inject on its own."),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by load_config.
     Setting("COC_CACHE_DIR", "`${XDG_CACHE_HOME:-~/.cache}/coc-inject/pycache`",
             "an absolute directory of this user's; a relative value (e.g. `off`) turns the cache off",
@@ -557,6 +583,10 @@ def parse_cp_mask_type(variable: str, text: str) -> str:
     return _one_of(variable, text, CP_MASK_TYPES, CP_MASK_ALLOWED)
 
 
+def parse_attn_kernel(variable: str, text: str) -> str:
+    return _one_of(variable, text, ATTN_KERNELS, ATTN_KERNEL_ALLOWED)
+
+
 def parse_fused_backend(variable: str, text: str) -> str:
     return _one_of(variable, text, FUSED_BACKENDS, FUSED_BACKEND_ALLOWED)
 
@@ -685,6 +715,10 @@ def _resolve(environ, argv_flags, cp_flags=None) -> tuple[dict, list]:
     parse("COC_TUNE_CACHE", parse_tune_cache, "tune_cache")
 
     env_cp = {target: parse(name, parser, target) for name, parser, target in _CP_VARIABLES}
+    parse("COC_FLASH_ATTN", parse_bool, "flash_attn")
+    parse("COC_ATTN_KERNEL", parse_attn_kernel, "attn_kernel")
+    if "attn_kernel" in values and not values.get("disabled"):
+        _attention_kernel_needs_attention(values, errors)
 
     _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
     _merge_cp_flags(cp_flags or {}, env_cp, values, errors)
@@ -727,6 +761,17 @@ def _merge_cp_flags(cp_flags, env_cp, values, errors) -> None:
             errors.append(ConfigError(given, values[target], "COC_CP_ALGO (or --context-parallel-algo) set too, "
                                       "or CoC on (then the algorithm follows Megatron's cp_comm_type)",
                                       reason="is given but context parallelism is not switched on"))
+
+
+def _attention_kernel_needs_attention(values, errors) -> None:
+    """COC_ATTN_KERNEL without any attention of coc-inject's would do nothing: an error."""
+    coc_on = values.get("fused") or values.get("parallel_num", 1) != 1 or any(
+        chunks != 1 for _, chunks in values.get("customized_coc", ()))
+    if values.get("cp_algo") is None and not values.get("flash_attn") and not coc_on:
+        errors.append(ConfigError("COC_ATTN_KERNEL", values["attn_kernel"],
+                                  "COC_CP_ALGO or COC_FLASH_ATTN=1 set too (or CoC on: then the context-parallel "
+                                  "algorithm follows Megatron's cp_comm_type)",
+                                  reason="is given but no attention of coc-inject's is switched on"))
 
 
 def extract_cp_flags(argv: list) -> tuple:

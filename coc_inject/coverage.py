@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 from coc_inject import log, megatron_version
 
 CHUNKED, FUSED, MEGATRON = "chunked", "fused", "megatron"
-# An attention call run with context parallelism: key (CONTEXT_PARALLEL, cp size, algorithm, None).
+# An attention call run by coc-inject (context parallelism, or COC_FLASH_ATTN at CP = 1):
+# key (CONTEXT_PARALLEL, cp size, algorithm, kernel) -- or, for a COC_FLASH_ATTN call Megatron's
+# attention ran instead, (CONTEXT_PARALLEL, 1, "Megatron's attention", reason).
 CONTEXT_PARALLEL = "context-parallel"
 # The start of the reason when COC_PARALLEL_NUM=auto measured Megatron's own path fastest: CoC
 # stepping aside on purpose is not a "CoC did nothing" problem.
@@ -76,6 +78,13 @@ class LayerRecord:
     name: str | None = None
 
 
+def _attention_kind(key) -> str:
+    _, cp_size, algorithm, kernel = key
+    if algorithm.startswith("Megatron"):
+        return f"{algorithm} for: {kernel}"
+    return (f"{algorithm}, CP={cp_size}, " if cp_size > 1 else "") + f"kernel {kernel}"
+
+
 def is_foreign_linear(module) -> bool:
     cls = type(module)
     return cls.__name__ in TE_CLASSES and cls.__module__.startswith(TE_MODULES)
@@ -110,11 +119,11 @@ class Coverage:
         routes = record.routes
         routes[key] = routes.get(key, 0) + 1
 
-    def count_attention(self, layer, algorithm: str, cp_size: int) -> None:
+    def count_attention(self, layer, algorithm: str, cp_size: int, kernel: str) -> None:
         record = self.records.get(id(layer))
         if record is None or record.layer() is not layer:
             record = self._new_record(layer, None, lambda layer, input_: [])
-        key = (CONTEXT_PARALLEL, cp_size, algorithm, None)
+        key = (CONTEXT_PARALLEL, cp_size, algorithm, kernel)
         record.routes[key] = record.routes.get(key, 0) + 1
 
     def _new_record(self, layer, input_, shape_of) -> LayerRecord:
@@ -140,16 +149,21 @@ class Coverage:
         return sum(1 for r in self.all_records() if any(key[0] in (CHUNKED, FUSED) for key in r.routes))
 
     def attention_summary(self) -> str | None:
-        """"context parallelism on 2 attention layers (ring, CP=2): 4 calls", None without such calls."""
-        layers, calls, kinds = 0, 0, set()
-        for record in self.all_records():
-            mine = {key: n for key, n in record.routes.items() if key[0] == CONTEXT_PARALLEL}
-            layers += bool(mine)
-            calls += sum(mine.values())
-            kinds.update(f"{key[2]}, CP={key[1]}" for key in mine)
-        if not layers:
-            return None
-        return f"context parallelism on {layers} attention layers ({'; '.join(sorted(kinds))}): {calls} calls"
+        """"context parallelism on 2 attention layers (ring, CP=2, kernel cpu-flash): 4 calls" and/or
+        "fused attention on 2 layers (kernel cpu-flash): 4 calls" (COC_FLASH_ATTN), None without such calls."""
+        parts = []
+        for title, at_cp1 in (("context parallelism on {} attention layers", False), ("fused attention on {} layers",
+                                                                                      True)):
+            layers, calls, kinds = 0, 0, set()
+            for record in self.all_records():
+                mine = {key: n for key, n in record.routes.items()
+                        if key[0] == CONTEXT_PARALLEL and (key[1] == 1) == at_cp1}
+                layers += bool(mine)
+                calls += sum(mine.values())
+                kinds.update(_attention_kind(key) for key in mine)
+            if layers:
+                parts.append(f"{title.format(layers)} ({'; '.join(sorted(kinds))}): {calls} calls")
+        return "; ".join(parts) or None
 
     # -- the model: names, foreign layers, replaced forwards -----------------------------------
     def inspect_model(self) -> None:
@@ -277,9 +291,11 @@ class Coverage:
         for record in self.all_records():
             for (route, chunks, backend, reason), calls in record.routes.items():
                 if route == CONTEXT_PARALLEL:
+                    megatron_instead = backend.startswith("Megatron")
                     layers.append({"name": record.name or record.cls, "class": record.cls, "shape": record.shape,
                                    "route": route, "algorithm": backend, "cp_size": chunks, "chunks": None,
-                                   "backend": None, "reason": None, "calls": calls})
+                                   "backend": None, "kernel": None if megatron_instead else reason,
+                                   "reason": reason if megatron_instead else None, "calls": calls})
                     continue
                 layers.append({
                     "name": record.name or f"{record.cls}[{record.shape[1]}x{record.shape[2]}]",

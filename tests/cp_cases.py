@@ -7,6 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from coc_inject.attention_kernels import cpu, reference
 from coc_inject.context_parallel import layout
 from coc_inject.context_parallel.function import ContextParallelAttention
 from coc_inject.context_parallel.schedule import HYBRID, make_schedule
@@ -31,8 +32,13 @@ def full_inputs(seq, batch, heads, groups, dim, seed, dtype=torch.float32):
     return [t.to(dtype) for t in (q, k, v, dout)]
 
 
-def run_schedule(algorithm, cp, causal, seq, batch, heads, groups, dim, seed, window=1, ulysses=1):
-    """This rank's rows of out, dq, dk, dv for one call, plus their sequence positions."""
+KERNELS = {"cpu-flash": cpu.KERNEL, "reference": reference.KERNEL}
+
+
+def run_schedule(algorithm, cp, causal, seq, batch, heads, groups, dim, seed, window=1, ulysses=1,
+                 kernel="cpu-flash", dtype="float32"):
+    """This rank's rows of out, dq, dk, dv for one call (``kernel`` on ``dtype`` inputs), plus their
+    sequence positions."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cp_groups = [_group(range(start, start + cp)) for start in range(0, world, cp)]
     ulysses_groups = {}
@@ -43,9 +49,9 @@ def run_schedule(algorithm, cp, causal, seq, batch, heads, groups, dim, seed, wi
     schedule = make_schedule(algorithm, cp_groups[rank // cp], causal=causal, scale=1 / math.sqrt(dim),
                              window=window, ulysses_group=ulysses_groups.get(rank // ulysses),
                              ulysses_size=ulysses)
-    q, k, v, dout = full_inputs(seq, batch, heads, groups, dim, seed)
+    q, k, v, dout = full_inputs(seq, batch, heads, groups, dim, seed, getattr(torch, dtype))
     rows = layout.global_positions(layout.rank_chunks(cp_rank, cp), seq // (2 * cp))
     local = [t[rows].clone().requires_grad_(True) for t in (q, k, v)]
-    out = ContextParallelAttention.apply(*local, schedule)
+    out = ContextParallelAttention.apply(*local, schedule, KERNELS[kernel])
     out.backward(dout[rows])
     return {"rows": rows, "out": out.detach(), "dq": local[0].grad, "dk": local[1].grad, "dv": local[2].grad}

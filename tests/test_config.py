@@ -84,7 +84,7 @@ def test_reference_covers_every_variable_once():
         "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
         "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT",
         "COC_TUNE_CANDIDATES", "COC_TUNE_CACHE", "COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE",
-        "COC_CP_MASK_TYPE", "COC_CACHE_DIR",
+        "COC_CP_MASK_TYPE", "COC_ATTN_KERNEL", "COC_FLASH_ATTN", "COC_CACHE_DIR",
     ]
     for setting in ENV_REFERENCE + FILE_REFERENCE:
         assert setting.default and setting.allowed and setting.meaning
@@ -813,3 +813,33 @@ def test_cp_settings_enter_the_fingerprint_only_when_cp_is_on():
     ring = load_config({"COC_CP_ALGO": "ring"})
     assert ring.fingerprint() != load_config({"COC_CP_ALGO": "ring", "COC_CP_WINDOW": "2"}).fingerprint()
     assert load_config({}).fingerprint() == CocConfig().fingerprint()
+
+
+# -- the attention kernel (COC_ATTN_KERNEL) and fused attention at CP = 1 (COC_FLASH_ATTN) ------------
+
+
+def test_attention_kernel_and_flash_attention_settings():
+    config = load_config({"COC_FLASH_ATTN": "1", "COC_ATTN_KERNEL": "Reference"})
+    assert (config.flash_attn, config.attn_kernel, config.attention_armed, config.armed) == (True, "reference",
+                                                                                            True, True)
+    assert config.cp_algorithm is None and not config.enabled  # the linears and CP stay off
+    assert load_config({"COC_CP_ALGO": "ring", "COC_ATTN_KERNEL": "fused"}).attn_kernel == "fused"
+    assert load_config({"COC_PARALLEL_NUM": "2", "COC_ATTN_KERNEL": "fused"}).attn_kernel == "fused"
+    assert CocConfig().attn_kernel == "auto" and not CocConfig().flash_attn and not CocConfig().attention_armed
+    assert not load_config({"COC_FLASH_ATTN": "1", "COC_DISABLE": "1"}).armed
+    # Agreed across ranks only when set: default configurations keep their fingerprint.
+    assert CocConfig().fingerprint() == CocConfig(attn_kernel="auto", flash_attn=False).fingerprint()
+    assert CocConfig(flash_attn=True).fingerprint() != CocConfig().fingerprint()
+    assert CocConfig(cp_algo="ring", attn_kernel="reference").fingerprint() != CocConfig(cp_algo="ring").fingerprint()
+
+
+@pytest.mark.parametrize("environ,variable,allowed", [
+    ({"COC_FLASH_ATTN": "1", "COC_ATTN_KERNEL": "flash"}, "COC_ATTN_KERNEL", "auto, fused or reference"),
+    ({"COC_FLASH_ATTN": "maybe"}, "COC_FLASH_ATTN", "1/0, true/false"),
+    ({"COC_ATTN_KERNEL": "fused"}, "COC_ATTN_KERNEL", "COC_CP_ALGO or COC_FLASH_ATTN=1 set too"),
+])
+def test_attention_kernel_errors_name_the_variable(environ, variable, allowed):
+    (error,) = validate_all(environ)
+    assert error.variable == variable and allowed in str(error) and repr(environ[variable]) in str(error)
+    with pytest.raises(ConfigError):
+        CocConfig(attn_kernel="flash")

@@ -49,7 +49,7 @@ def test_losses_equal_cp1(runs, name):
 def test_banner_and_first_step_summary_say_what_ran(runs, name, algorithm):
     proc, _ = runs[1][name]
     assert "context parallelism installed on DotProductAttention" in proc.stderr
-    assert f"context parallelism on 2 attention layers ({algorithm}, CP=2): 2 calls" in proc.stderr, proc.stderr[-3000:]
+    assert f"context parallelism on 2 attention layers ({algorithm}, CP=2, kernel cpu-flash): 2 calls" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_report_lists_every_attention_layer(runs):

@@ -65,8 +65,9 @@ def attention_entries(path):
     """{(seq, batch, heads, groups, dim, causal, cp, tp, backward): (choice, times_ms, identity)} of a tune cache."""
     out = {}
     for key, entry in json.loads(Path(path).read_text())["entries"].items():
-        kind, seq, batch, heads, groups, dim, dtype, causal, cp, tp, device, backward, identity = json.loads(key)
-        assert (kind, dtype, device) == ("attention", "float32", "cpu")
+        kind, seq, batch, heads, groups, dim, dtype, causal, cp, tp, device, backward, kernel, identity = \
+            json.loads(key)
+        assert (kind, dtype, device, kernel) == ("attention", "float32", "cpu", "cpu-flash")
         out[(seq, batch, heads, groups, dim, causal, cp, tp, backward)] = (entry["choice"], entry["times_ms"], identity)
     return out
 

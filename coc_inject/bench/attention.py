@@ -1,14 +1,18 @@
 """``coc-inject bench --cases attention``: the context-parallel core attention, every algorithm.
 
-ContextParallelAttention (make_schedule; causal, Megatron's 2*CP chunk layout, fp32) forward and
-backward on local CPU ranks (gloo): CP=2 (and CP=4 on loopback), over plain loopback or the
-emulated link. Each repetition runs every variant once, in a rotating order:
+ContextParallelAttention (make_schedule; causal, Megatron's 2*CP chunk layout, --dtype, the
+--kernel block kernel) forward and backward on local CPU ranks (gloo): CP=2 (and CP=4 on
+loopback), over plain loopback or the emulated link. Each repetition runs every variant once, in a
+rotating order:
 
 * the algorithms the shape allows: ring, ulysses, allgather; at CP=4 also Double-Ring (ring,
   window 2) and hybrid (Ulysses degree 2 inside, ring across);
 * ``C``: a ring variant with its transfers replaced by a local copy of the same tensors -- the
   block kernel on the same block plans, every step, no communication;
-* ``M``: the same ring with the block kernel skipped -- its transfers alone, in its order.
+* ``M``: the same ring with the block kernel skipped -- its transfers alone, in its order;
+* ``sdpa``: the yardstick -- torch's ``scaled_dot_product_attention`` on the whole sequence in one
+  process (rank 0, the other ranks wait), what a user runs without context parallelism;
+* with ``--kernel both``, every algorithm again on the reference kernel (``name [reference]``).
 
 ring.py is instrumented from outside, by swapping its ``blocks`` and ``exchange`` names for a
 call (nothing changes in the library, nothing costs when the bench is not running): each
@@ -28,6 +32,7 @@ from dataclasses import dataclass
 
 CASES = ("attention",)
 COMPUTE_ONLY, COMM_ONLY = "C", "M"
+SDPA = "sdpa"
 
 
 @dataclass(frozen=True)
@@ -36,10 +41,11 @@ class Variant:
     algorithm: str
     window: int = 1
     ulysses: int = 1
+    kernel: str | None = None  # None: the bench's --kernel; "reference": an extra row of --kernel both
 
     @property
     def is_ring(self) -> bool:
-        return self.algorithm == "ring"
+        return self.algorithm == "ring" and self.kernel is None
 
 
 def variants_for(cp: int, heads: int, groups: int) -> list:
@@ -161,40 +167,76 @@ def _schedules(cp: int, variants: list, dim: int) -> dict:
             for v in variants}
 
 
-def _local_inputs(args, cp: int, rank: int):
-    """This rank's q, k, v, dout rows ([s/cp, b, heads|groups, d], fp32), Megatron's layout."""
+def _whole_inputs(args):
+    """q, k, v, dout of the whole sequence ([s, b, heads|groups, d], --dtype)."""
     import torch
 
+    generator = torch.Generator().manual_seed(1234)
+    shapes = [(args.seq, args.batch, n, args.head_dim) for n in (args.heads, args.kv_groups, args.kv_groups,
+                                                                 args.heads)]
+    return [torch.randn(shape, generator=generator).to(getattr(torch, args.dtype)) for shape in shapes]
+
+
+def _local_inputs(args, cp: int, rank: int):
+    """This rank's q, k, v, dout rows ([s/cp, b, heads|groups, d]), Megatron's layout."""
     from coc_inject.context_parallel import layout
 
-    generator = torch.Generator().manual_seed(1234)
-    q = torch.randn(args.seq, args.batch, args.heads, args.head_dim, generator=generator)
-    k = torch.randn(args.seq, args.batch, args.kv_groups, args.head_dim, generator=generator)
-    v = torch.randn(args.seq, args.batch, args.kv_groups, args.head_dim, generator=generator)
-    dout = torch.randn(args.seq, args.batch, args.heads, args.head_dim, generator=generator)
     rows = layout.global_positions(layout.rank_chunks(rank, cp), args.seq // (2 * cp))
-    return [t[rows].contiguous() for t in (q, k, v, dout)]
+    return [t[rows].contiguous() for t in _whole_inputs(args)]
 
 
-def _call(schedule, inputs, timer):
+def kernels(args) -> dict:
+    """{None: the --kernel block kernel, "reference": the reference} (the fused one of this device)."""
+    import torch
+
+    from coc_inject import attention_kernels
+    from coc_inject.attention_kernels import reference
+
+    primary = reference.KERNEL if args.kernel == "reference" else attention_kernels.choose(
+        attention_kernels.FUSED, "cpu", getattr(torch, args.dtype), args.head_dim).kernel
+    return {None: primary, "reference": reference.KERNEL}
+
+
+def sdpa_call(whole):
+    """The yardstick on rank 0: scaled_dot_product_attention on the whole sequence, forward and
+    backward, (forward s, backward s); the other ranks wait at a barrier (and report zeros)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    forward = backward = 0.0
+    dist.barrier()
+    if dist.get_rank() == 0:  # timed alone: the Timer's barrier would wait for the other ranks
+        q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
+        dout = whole[3].permute(1, 2, 0, 3)
+        began = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        forward = time.perf_counter() - began
+        out.backward(dout)
+        backward = time.perf_counter() - began - forward
+    dist.barrier()
+    return forward, backward
+
+
+def _call(schedule, inputs, timer, kernel):
     """One timed forward and one timed backward: (forward s, backward s, output)."""
     from coc_inject.context_parallel.function import ContextParallelAttention
 
     q, k, v, dout = inputs
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    out, forward = timer(lambda: ContextParallelAttention.apply(*leaves, schedule))
+    out, forward = timer(lambda: ContextParallelAttention.apply(*leaves, schedule, kernel))
     _, backward = timer(lambda: out.backward(dout))
     return forward, backward, out.detach()
 
 
-def _traced_call(schedule, inputs, timer, *, compute=True, transfer=True):
+def _traced_call(schedule, inputs, timer, kernel, *, compute=True, transfer=True):
     trace = _Trace()
     with instrumented_ring(trace, compute=compute, transfer=transfer):
         from coc_inject.context_parallel.function import ContextParallelAttention
 
         q, k, v, dout = inputs
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out, forward = timer(lambda: ContextParallelAttention.apply(*leaves, schedule))
+        out, forward = timer(lambda: ContextParallelAttention.apply(*leaves, schedule, kernel))
         trace.phase = "backward"
         _, backward = timer(lambda: out.backward(dout))
     return forward, backward, trace
@@ -216,7 +258,7 @@ def _steps(trace: _Trace) -> dict:
     return figures
 
 
-def saved_bytes(schedule, inputs) -> tuple:
+def saved_bytes(schedule, inputs, kernel) -> tuple:
     """(bytes kept for backward by one call -- distinct storages through saved_tensors_hooks --,
     the output) ; backward still runs, so every rank's transfers pair up."""
     from coc_inject.bench.saved import SavedBytes
@@ -225,12 +267,12 @@ def saved_bytes(schedule, inputs) -> tuple:
     q, k, v, dout = inputs
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     with SavedBytes() as saved:
-        out = ContextParallelAttention.apply(*leaves, schedule)
+        out = ContextParallelAttention.apply(*leaves, schedule, kernel)
     out.backward(dout)
     return saved.total, out.detach()
 
 
-def timeline(schedule, inputs, timer) -> list:
+def timeline(schedule, inputs, timer, kernel) -> list:
     """Kernel steps and transfers of one real (overlapped) ring call, forward then backward,
     ms since the forward began (rank 0's host clock)."""
     import torch.distributed as dist
@@ -243,7 +285,7 @@ def timeline(schedule, inputs, timer) -> list:
 
         q, k, v, dout = inputs
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = ContextParallelAttention.apply(*leaves, schedule)
+        out = ContextParallelAttention.apply(*leaves, schedule, kernel)
         trace.phase = "backward"
         backward_began = time.perf_counter()
         out.backward(dout)
@@ -265,10 +307,12 @@ def _auto_choice(schedules, variants, inputs, timer, args, cp, device) -> str:
     from coc_inject.context_parallel.auto import BASELINE, AttentionKey
     from coc_inject.tuning import Tuner
 
-    key = AttentionKey(args.seq, args.batch, args.heads, args.kv_groups, args.head_dim, "float32", True, cp, 1,
-                       device.type, True)
-    return Tuner(CocConfig(), None).decide(key, schedules[BASELINE].cp_group, device, [v.name for v in variants],
-                                           BASELINE, lambda name: _call(schedules[name], inputs, timer), "CP")
+    kernel = kernels(args)[None]
+    key = AttentionKey(args.seq, args.batch, args.heads, args.kv_groups, args.head_dim, args.dtype, True, cp, 1,
+                       device.type, True, kernel.name)
+    return Tuner(CocConfig(), None).decide(key, schedules[BASELINE].cp_group, device,
+                                           [v.name for v in variants if v.kernel is None], BASELINE,
+                                           lambda name: _call(schedules[name], inputs, timer, kernel), "CP")
 
 
 def run_rank(args, device) -> dict | None:
@@ -280,24 +324,30 @@ def run_rank(args, device) -> dict | None:
 
     cp, rank = dist.get_world_size(), dist.get_rank()
     variants = variants_for(cp, args.heads, args.kv_groups)
+    if args.kernel == "both":
+        variants += [Variant(f"{v.name} [reference]", v.algorithm, v.window, v.ulysses, "reference") for v in variants]
     schedules = _schedules(cp, variants, args.head_dim)
     inputs = _local_inputs(args, cp, rank)
+    whole = _whole_inputs(args) if rank == 0 else None
+    kernel_of = {v.name: kernels(args)[v.kernel] for v in variants}
     timer = Timer(device)
     ring_variants = [v for v in variants if v.is_ring]
 
     progress(f"CP={cp}: memory kept for backward, outputs")
     memory, outputs = {}, {}
     for variant in variants:  # also the warm-up of every variant
-        memory[variant.name], outputs[variant.name] = saved_bytes(schedules[variant.name], inputs)
+        memory[variant.name], outputs[variant.name] = saved_bytes(schedules[variant.name], inputs,
+                                                                  kernel_of[variant.name])
     diff = {name: float((out - outputs["allgather"]).abs().max()) for name, out in outputs.items()}
 
     progress(f"CP={cp}: auto's trials")
     choice = _auto_choice(schedules, variants, inputs, timer, args, cp, device)
     schedules[AUTO], memory[AUTO], diff[AUTO] = schedules[choice], memory[choice], diff[choice]
+    kernel_of[AUTO] = kernel_of[choice]
     reported = [*(v.__dict__ for v in variants),
                 {"name": AUTO, "algorithm": AUTO, "window": 1, "ulysses": 1, "chosen": choice}]
 
-    runs = [(v.name, None) for v in variants] + [(AUTO, None)]
+    runs = [(v.name, None) for v in variants] + [(AUTO, None), (SDPA, None)]
     runs += [(v.name, kind) for v in ring_variants for kind in (COMPUTE_ONLY, COMM_ONLY)]
     times = {f"{name}:{kind}" if kind else name: {"forward": [], "backward": []} for name, kind in runs}
     steps = {f"{v.name}:{kind}": [] for v in ring_variants for kind in (COMPUTE_ONLY, COMM_ONLY)}
@@ -307,10 +357,12 @@ def run_rank(args, device) -> dict | None:
         shift = rep % len(runs)
         for name, kind in runs[shift:] + runs[:shift]:
             label = f"{name}:{kind}" if kind else name
-            if kind is None:
-                forward, backward, _ = _call(schedules[name], inputs, timer)
+            if name == SDPA:
+                forward, backward = sdpa_call(whole)
+            elif kind is None:
+                forward, backward, _ = _call(schedules[name], inputs, timer, kernel_of[name])
             else:
-                forward, backward, trace = _traced_call(schedules[name], inputs, timer,
+                forward, backward, trace = _traced_call(schedules[name], inputs, timer, kernel_of[name],
                                                         compute=kind == COMPUTE_ONLY, transfer=kind == COMM_ONLY)
                 if timed:
                     steps[label].append(_steps(trace))
@@ -318,7 +370,7 @@ def run_rank(args, device) -> dict | None:
                 times[label]["forward"].append(forward)
                 times[label]["backward"].append(backward)
     progress(f"CP={cp}: timeline of one ring call")
-    ring_timeline = timeline(schedules["ring"], inputs, timer)
+    ring_timeline = timeline(schedules["ring"], inputs, timer, kernel_of["ring"])
 
     everyone = [None] * cp
     dist.all_gather_object(everyone, {"memory": memory, "diff": diff})
@@ -329,7 +381,7 @@ def run_rank(args, device) -> dict | None:
             "ring_sizes": {v.name: schedules[v.name].ring.size for v in ring_variants},
             "memory_bytes": {v["name"]: [r["memory"][v["name"]] for r in everyone] for v in reported},
             "max_abs_diff_vs_allgather": {v["name"]: max(r["diff"][v["name"]] for r in everyone) for v in reported},
-            "timeline": ring_timeline, "threads": torch.get_num_threads()}
+            "timeline": ring_timeline, "threads": torch.get_num_threads(), "kernel": kernel_of["ring"].name}
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -379,7 +431,8 @@ def bench(args) -> int:
     summary = report.summarize(results)
     where = describe_where(args).replace("2 local CPU ranks", "one local CPU rank per CP rank")
     title = (f"coc-inject bench attention: {where}; seq {args.seq}, batch {args.batch}, {args.heads} heads "
-             f"({args.kv_groups} kv groups) x {args.head_dim}, fp32, causal; {args.reps} interleaved repetitions")
+             f"({args.kv_groups} kv groups) x {args.head_dim}, {args.dtype}, causal, kernel {results[0]['kernel']}; "
+             f"{args.reps} interleaved repetitions")
     print(title)
     print(report.format_table(summary))
     targets = report.targets(summary, linked=bool(args.link))
@@ -387,7 +440,7 @@ def bench(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"title": title, "argv": sys.argv, "seconds": time.time() - started, "link": args.link,
                "shape": {"seq": args.seq, "batch": args.batch, "heads": args.heads, "kv_groups": args.kv_groups,
-                         "head_dim": args.head_dim, "dtype": "float32", "causal": True},
+                         "head_dim": args.head_dim, "dtype": args.dtype, "causal": True, "kernel": args.kernel},
                "reps": args.reps, "targets": targets, "summary": summary, "raw": results}
     report.write_json(args.out / "attention.json", payload)
     problem = report.write_png(args.out / "attention.png", summary, results, title)

@@ -100,8 +100,14 @@ def summarize_case(result: dict) -> dict:
             "fwd_bwd_x": _median_ratio(_totals(reference), _totals(samples)),
             "memory_bytes": max(memory), "memory_bytes_per_rank": memory,
             "max_abs_diff_vs_allgather": result["max_abs_diff_vs_allgather"][name]}
-    rings = {v["name"]: ring_analysis(result, v) for v in result["variants"] if v["algorithm"] == "ring"}
-    return {"cp": result["cp"], "variants": variants, "rings": rings}
+    rings = {v["name"]: ring_analysis(result, v) for v in result["variants"]
+             if v["algorithm"] == "ring" and not v.get("kernel")}
+    sdpa = times["sdpa"]
+    yardstick = {"fwd_bwd_ms": _ms(_totals(sdpa)),
+                 # per repetition ring / sdpa (< 1: CP=n ranks faster than one process on the whole sequence)
+                 "ring_over_sdpa": statistics.median(r / y for r, y in zip(_totals(times["ring"]), _totals(sdpa)))}
+    return {"cp": result["cp"], "kernel": result.get("kernel"), "variants": variants, "rings": rings,
+            "sdpa": yardstick}
 
 
 def summarize(results: list) -> dict:
@@ -146,12 +152,12 @@ def format_targets(rows: list) -> str:
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"{'case':<6} {'variant':<16} {'fwd ms':>8} {'fwd x':>6} {'bwd ms':>8} {'bwd x':>6} "
+    lines = [f"{'case':<6} {'variant':<22} {'fwd ms':>8} {'fwd x':>6} {'bwd ms':>8} {'bwd x':>6} "
              f"{'f+b ms':>8} {'f+b x':>6} {'kept KiB':>9} {'max|d|':>8}"]
     for label, case in summary.items():
         for name, row in case["variants"].items():
             name = f"auto ({row['chosen']})" if "chosen" in row else name
-            lines.append(f"{label:<6} {name:<16} {row['forward_ms']:8.1f} {row['forward_x']:6.2f} "
+            lines.append(f"{label:<6} {name:<22} {row['forward_ms']:8.1f} {row['forward_x']:6.2f} "
                          f"{row['backward_ms']:8.1f} {row['backward_x']:6.2f} {row['fwd_bwd_ms']:8.1f} "
                          f"{row['fwd_bwd_x']:6.2f} {row['memory_bytes'] / 1024:9.0f} "
                          f"{row['max_abs_diff_vs_allgather']:8.1e}")
@@ -164,6 +170,10 @@ def format_table(summary: dict) -> str:
                              f"serial {row['serial_ms']:7.1f}  ideal {row['ideal_ms']:7.1f} ({row['ideal_formula']})"
                              f"  achieved {row['achieved_ms']:7.1f}  eff {eff} (vs simple ideal "
                              f"{row['simple_ideal_ms']:.1f}: {simple})")
+        sdpa = case["sdpa"]
+        lines.append(f"{label:<6} {'sdpa, 1 process':<22} {'':>8} {'':>6} {'':>8} {'':>6} {sdpa['fwd_bwd_ms']:8.1f}   "
+                     f"ring / sdpa {sdpa['ring_over_sdpa']:.3f} (scaled_dot_product_attention on the whole sequence, "
+                     "one process)")
     lines.append("x: median over repetitions of allgather time / variant time (> 1: faster). kept: bytes one call "
                  "keeps for backward (largest rank). max|d|: output vs allgather. C: compute only (transfers "
                  "replaced by local copies), M: the ring's transfers only (kernel skipped), serial = C + M, "

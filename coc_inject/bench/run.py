@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
     attention.add_argument("--kv-groups", type=int, default=8, help="key/value groups (default 8: no GQA)")
     attention.add_argument("--head-dim", type=int, default=64)
+    attention.add_argument("--kernel", default="fused", choices=["fused", "reference", "both"],
+                           help="the block kernel (default fused: the device's flash kernel); both: every algorithm "
+                                "also on the reference kernel, as extra rows")
     return parser
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from coc_inject.context_parallel import blocks, kernel, layout
+from coc_inject.attention_kernels.merge import new_accumulators
+from coc_inject.context_parallel import blocks, layout
 from coc_inject.context_parallel.comm import all_gather, reduce_scatter
 
 
@@ -26,18 +27,18 @@ def _plan(q_ids, size, causal):
     return layout.plan_blocks(q_ids, layout.gathered_chunks(range(size), size), causal)
 
 
-def forward(group, size, q, kv, q_ids, causal, chunk_len, scale):
-    acc_out, acc_lse = kernel.new_accumulators(q)
+def forward(group, size, kernel, q, kv, q_ids, causal, chunk_len, scale):
+    acc_out, acc_lse = new_accumulators(q)
     whole = _gather(kv, group, size)
-    blocks.forward(_plan(q_ids, size, causal), q, whole[0], whole[1], chunk_len, scale, acc_out, acc_lse)
+    blocks.forward(kernel, _plan(q_ids, size, causal), q, whole[0], whole[1], chunk_len, scale, acc_out, acc_lse)
     return acc_out, acc_lse
 
 
-def backward(group, size, q, kv, dout, lse, delta, q_ids, causal, chunk_len, scale):
+def backward(group, size, kernel, q, kv, dout, out, lse, q_ids, causal, chunk_len, scale):
     whole = _gather(kv, group, size)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dwhole = torch.zeros(whole.shape, dtype=torch.float32, device=q.device)
-    blocks.backward(_plan(q_ids, size, causal), q, whole[0], whole[1], dout, lse, delta, chunk_len, scale,
+    blocks.backward(kernel, _plan(q_ids, size, causal), q, whole[0], whole[1], dout, out, lse, chunk_len, scale,
                     dq, dwhole[0], dwhole[1])
     two, b, g, _, d = dwhole.shape
     stacked = dwhole.view(two, b, g, size, -1, d).permute(3, 0, 1, 2, 4, 5).contiguous()

@@ -1,11 +1,14 @@
-"""Megatron's local ``DotProductAttention`` with context parallelism: construction and forward.
+"""Megatron's local ``DotProductAttention`` with context parallelism (or, with COC_FLASH_ATTN at
+CP = 1, the fused kernel alone): construction and forward.
 
 Megatron's own ``__init__`` asserts ``context_parallel_size == 1``. The wrapped one decides the
 layer's algorithm and checks everything the context-parallel path cannot do exactly (a clear
 error naming the feature, never Megatron's bare assertion), then runs Megatron's ``__init__`` on
 a copy of the config that says CP = 1 and puts the real config back: every other attribute is
 Megatron's. The wrapped forward runs ``function.ContextParallelAttention`` over the CP group on
-q/k/v in Megatron's CP layout and returns ``[s, b, heads * d]`` as Megatron's does.
+q/k/v in Megatron's CP layout and returns ``[s, b, heads * d]`` as Megatron's does. Every block
+runs through the layer's attention kernel (coc_inject.attention_kernels), chosen once per call
+shape.
 """
 
 from __future__ import annotations
@@ -14,16 +17,21 @@ import copy
 import inspect
 from dataclasses import dataclass, field
 
+import logging
+
 import torch
 
+from coc_inject import attention_kernels, log
 from coc_inject.context_parallel import layout
 from coc_inject.context_parallel.function import ContextParallelAttention
-from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, RING, ULYSSES, make_schedule
+from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, LOCAL, RING, ULYSSES, make_schedule
 
 # Megatron's cp_comm_type values (TransformerConfig, per layer) -> algorithm.
 CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID, "all_gather": ALLGATHER,
                  "allgather": ALLGATHER}
 FOLLOW_MEGATRON = "megatron"
+# COC_FLASH_ATTN: a call the fused kernel cannot run exactly, run by Megatron's attention (counted as such).
+MEGATRON_INSTEAD = "Megatron's attention"
 
 
 class ContextParallelError(ValueError):
@@ -44,6 +52,8 @@ class Variant:
     ulysses_group: object = field(default=None, compare=False)  # the all-to-all group (ulysses, hybrid)
 
     def describe(self) -> str:
+        if self.algorithm == LOCAL:
+            return "local"
         if self.algorithm == RING and self.window > 1:
             return f"double-ring w={self.window}"
         if self.algorithm == HYBRID:
@@ -65,14 +75,44 @@ class LayerCP:
     variants: tuple
     mask_type: str | None  # COC_CP_MASK_TYPE
     auto: bool = False
+    kernel_preference: str = attention_kernels.AUTO  # COC_ATTN_KERNEL
     scale: float = 0.0  # set once Megatron's __init__ has computed it
     schedules: dict = field(default_factory=dict)  # (variant, causal) -> Schedule
     checked_masks: dict = field(default_factory=dict)  # mask identity -> causal
+    kernels: dict = field(default_factory=dict)  # (device type, dtype, head dim) -> attention_kernels.Choice
+
+    @property
+    def local(self) -> bool:
+        """COC_FLASH_ATTN on a layer built with CP = 1: the fused kernel, no schedule."""
+        return self.variants[0].algorithm == LOCAL
+
+    @property
+    def chunks(self) -> int:
+        """Chunks of the whole sequence: Megatron's 2*CP, or one at CP = 1."""
+        return 1 if self.local else 2 * self.cp_size
 
     def describe(self) -> str:
         if self.auto:
             return "auto among " + "/".join(v.describe() for v in self.variants)
         return self.variants[0].describe()
+
+
+def unsupported_feature(megatron_config, attention_dropout) -> str | None:
+    """What of the layer's configuration the fused attention path cannot run exactly (None: all of it)."""
+    dropout = megatron_config.attention_dropout if attention_dropout is None else attention_dropout
+    unsupported = {
+        f"attention dropout {dropout} (set attention_dropout=0)": dropout and dropout > 0,
+        f"sliding-window attention (window_size={getattr(megatron_config, 'window_size', None)})":
+            getattr(megatron_config, "window_size", None) is not None,
+        f"softmax_type={getattr(megatron_config, 'softmax_type', 'vanilla')!r} (only 'vanilla')":
+            getattr(megatron_config, "softmax_type", "vanilla") != "vanilla",
+    }
+    return next((feature for feature, present in unsupported.items() if present), None)
+
+
+def plan_local(coc_config) -> LayerCP:
+    """COC_FLASH_ATTN on a layer built with CP = 1 (checked by unsupported_feature first)."""
+    return LayerCP(1, None, (Variant(LOCAL),), coc_config.cp_mask_type, kernel_preference=coc_config.attn_kernel)
 
 
 def _cp_comm_type(value, layer_number: int):
@@ -95,17 +135,9 @@ def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, att
         algorithm = CP_COMM_TYPES[comm_type]
     else:
         algorithm = coc_config.cp_algorithm
-    dropout = megatron_config.attention_dropout if attention_dropout is None else attention_dropout
-    unsupported = {
-        f"attention dropout {dropout} (set attention_dropout=0)": dropout and dropout > 0,
-        f"sliding-window attention (window_size={getattr(megatron_config, 'window_size', None)})":
-            getattr(megatron_config, "window_size", None) is not None,
-        f"softmax_type={getattr(megatron_config, 'softmax_type', 'vanilla')!r} (only 'vanilla')":
-            getattr(megatron_config, "softmax_type", "vanilla") != "vanilla",
-    }
-    for feature, present in unsupported.items():
-        if present:
-            raise ContextParallelError(f"{where} does not support {feature}")
+    feature = unsupported_feature(megatron_config, attention_dropout)
+    if feature is not None:
+        raise ContextParallelError(f"{where} does not support {feature}")
     if cp_group is None or cp_group.size() != n:
         raise ContextParallelError(f"{where}: Megatron's context-parallel group is missing or not of size {n} "
                                    "(was initialize_model_parallel called with context_parallel_size?)")
@@ -118,7 +150,8 @@ def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, att
         return _variant(name, window, coc_config, megatron_config, cp_group, ulysses_group_of, where)
 
     if algorithm != AUTO:
-        return LayerCP(n, cp_group, (variant(algorithm, coc_config.cp_window),), coc_config.cp_mask_type)
+        return LayerCP(n, cp_group, (variant(algorithm, coc_config.cp_window),), coc_config.cp_mask_type,
+                       kernel_preference=coc_config.attn_kernel)
     # auto: every algorithm the shape and the configured sub-group sizes allow (ring always).
     candidates = [(RING, 1), (RING, coc_config.cp_window), (ULYSSES, 1), (ALLGATHER, 1)]
     if coc_config.cp_ulysses_degree is not None or len(_hierarchical(megatron_config)) == 2:
@@ -130,7 +163,8 @@ def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, att
         except ContextParallelError:
             if name == RING and window == 1:
                 raise
-    return LayerCP(n, cp_group, tuple(variants), coc_config.cp_mask_type, auto=True)
+    return LayerCP(n, cp_group, tuple(variants), coc_config.cp_mask_type, auto=True,
+                   kernel_preference=coc_config.attn_kernel)
 
 
 def _variant(algorithm, window, coc_config, megatron_config, cp_group, ulysses_group_of, where) -> Variant:
@@ -219,7 +253,7 @@ def _mask_is_causal(plan: LayerCP, mask, q_ids, chunk_len: int) -> bool:
     if key in plan.checked_masks:
         return plan.checked_masks[key]
     rows, cols = mask.shape[-2:]
-    seq = chunk_len * 2 * plan.cp_size
+    seq = chunk_len * plan.chunks
     if mask.dim() != 4 or mask.shape[1] != 1 or cols != seq or rows not in (seq, len(q_ids) * chunk_len):
         raise ContextParallelError(f"attention mask of shape {list(mask.shape)}: context parallelism expects "
                                    f"[b|1, 1, {len(q_ids) * chunk_len}, {seq}] (this rank's rows, Megatron's CP "
@@ -250,17 +284,38 @@ def schedule_for(plan: LayerCP, variant: Variant, causal: bool):
     return schedule
 
 
-def run(plan: LayerCP, variant: Variant, query, key, value, causal: bool):
+def kernel_for(plan: LayerCP, query, layer_name: str) -> attention_kernels.Choice:
+    """The layer's attention kernel for this call's device, dtype and head dim (decided once per
+    shape; a fallback to the reference kernel says why, once)."""
+    shape = (query.device.type, query.dtype, query.shape[-1])
+    choice = plan.kernels.get(shape)
+    if choice is None:
+        try:
+            choice = attention_kernels.choose(plan.kernel_preference, *shape)
+        except attention_kernels.KernelUnavailable as exc:
+            raise ContextParallelError(f"{layer_name}: {exc}") from None
+        plan.kernels[shape] = choice
+        if choice.fallback_reason is not None and plan.kernel_preference != attention_kernels.REFERENCE:
+            log.once(("attention-kernel-fallback", choice.fallback_reason), logging.WARNING,
+                     f"attention on {shape[0]} in {str(shape[1]).removeprefix('torch.')}, head dim {shape[2]} runs "
+                     f"the reference kernel (tiled fp32 torch ops, slower): {choice.fallback_reason}")
+    return choice
+
+
+def run(plan: LayerCP, variant: Variant, query, key, value, causal: bool, layer_name: str = "attention"):
     """[s, b, heads, d] q and [s, b, groups, d] k/v (this rank's rows) -> [s, b, heads, d]."""
     if variant.kv_repeats > 1:
         key = key.repeat_interleave(variant.kv_repeats, dim=2)
         value = value.repeat_interleave(variant.kv_repeats, dim=2)
-    return ContextParallelAttention.apply(query, key, value, schedule_for(plan, variant, causal))
+    kernel = kernel_for(plan, query, layer_name).kernel
+    return ContextParallelAttention.apply(query, key, value, schedule_for(plan, variant, causal), kernel)
 
 
 def mask_is_causal(plan: LayerCP, query, attention_mask, mask_type) -> bool:
     """Causal or not for this call (errors for what cannot run); checks the rows too."""
     s = query.shape[0]
+    if plan.local:
+        return is_causal(plan, mask_type, attention_mask, (0,), s)
     if s % 2:
         raise ContextParallelError(f"context parallelism needs the sequence in 2*CP chunks (Megatron's "
                                    f"get_batch_on_this_cp_rank); this rank holds {s} rows, an odd number")

@@ -32,15 +32,16 @@ class AttentionKey:
     tp: int
     device: str
     backward: bool
+    kernel: str  # the attention kernel the trials ran (coc_inject.attention_kernels)
 
     def text(self) -> str:
         return (f"attention seq {self.seq} batch {self.batch} heads {self.heads}/{self.groups} dim {self.dim} "
                 f"{self.dtype} {'causal' if self.causal else 'no mask'} CP{self.cp} TP{self.tp} {self.device}"
-                + ("" if self.backward else " forward-only"))
+                + ("" if self.backward else " forward-only") + f" {self.kernel}")
 
     def cache_fields(self) -> list:
         return ["attention", self.seq, self.batch, self.heads, self.groups, self.dim, self.dtype, self.causal,
-                self.cp, self.tp, self.device, self.backward]
+                self.cp, self.tp, self.device, self.backward, self.kernel]
 
     def name(self, choice) -> str:
         return choice
@@ -51,7 +52,8 @@ def choose(tuner, plan, query, key, value, causal: bool, tp: int):
     s, b, heads, d = query.shape
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     decision_key = AttentionKey(s * plan.cp_size, b, heads, key.shape[2], d, str(query.dtype).replace("torch.", ""),
-                                causal, plan.cp_size, tp, query.device.type, backward)
+                                causal, plan.cp_size, tp, query.device.type, backward,
+                                attention.kernel_for(plan, query, "attention").name)
     by_name = {variant.describe(): variant for variant in plan.variants}
 
     def trial(name):

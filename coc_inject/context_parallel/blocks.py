@@ -1,33 +1,36 @@
-"""Run a block plan (layout.plan_blocks) through the kernel: forward into accumulators, backward
-into gradient buffers. Tensors are in the kernel's shapes; the plan's chunk units become rows
-here. No communication."""
+"""Run a block plan (layout.plan_blocks) through a block kernel (coc_inject.attention_kernels):
+forward into accumulators, backward into gradient buffers. The plan's chunk units become rows
+here. No communication.
+
+Tensors: queries ``[B, H, Sq, D]``, keys/values ``[B, G, Sk, D]`` (the kernels' shapes).
+"""
 
 from __future__ import annotations
 
-from coc_inject.context_parallel import kernel
+from coc_inject.attention_kernels.merge import merge_into
 
 
 def _rows(start: int, stop: int, chunk_len: int) -> slice:
     return slice(start * chunk_len, stop * chunk_len)
 
 
-def forward(plan, q, k, v, chunk_len: int, scale: float, acc_out, acc_lse) -> None:
-    """Attend ``q`` [B,G,R,Sq,D] to ``k``/``v`` [B,G,Sk,D] block by block, merging into acc_out/acc_lse."""
+def forward(kernel, plan, q, k, v, chunk_len: int, scale: float, acc_out, acc_lse) -> None:
+    """Attend ``q`` to ``k``/``v`` block by block, merging into acc_out/acc_lse (fp32)."""
     for block in plan:
         rows = _rows(block.q_start, block.q_stop, chunk_len)
         cols = _rows(block.k_start, block.k_stop, chunk_len)
-        out, lse = kernel.block_forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, block.diagonal)
-        kernel.merge_into(acc_out[..., rows, :], acc_lse[..., rows], out, lse)
+        out, lse = kernel.forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, block.diagonal)
+        merge_into(acc_out[..., rows, :], acc_lse[..., rows], out, lse)
 
 
-def backward(plan, q, k, v, dout, lse, delta, chunk_len: int, scale: float, dq, dk, dv) -> None:
-    """Add the plan's gradients into dq [B,G,R,Sq,D] and dk/dv [B,G,Sk,D] (fp32 buffers)."""
+def backward(kernel, plan, q, k, v, dout, out, lse, chunk_len: int, scale: float, dq, dk, dv) -> None:
+    """Add the plan's gradients into dq and dk/dv (fp32 buffers); ``out``/``lse`` are the final ones."""
     for block in plan:
         rows = _rows(block.q_start, block.q_stop, chunk_len)
         cols = _rows(block.k_start, block.k_stop, chunk_len)
-        dq_block, dk_block, dv_block = kernel.block_backward(
-            q[..., rows, :], k[..., cols, :], v[..., cols, :], dout[..., rows, :], lse[..., rows],
-            delta[..., rows], scale, block.diagonal)
+        dq_block, dk_block, dv_block = kernel.backward(
+            dout[..., rows, :], q[..., rows, :], k[..., cols, :], v[..., cols, :], out[..., rows, :], lse[..., rows],
+            scale, block.diagonal)
         dq[..., rows, :] += dq_block
         dk[..., cols, :] += dk_block
         dv[..., cols, :] += dv_block

@@ -12,42 +12,40 @@ from __future__ import annotations
 
 import torch
 
-from coc_inject.context_parallel import allgather, kernel, ring as ring_schedule, ulysses
+from coc_inject.context_parallel import allgather, ring as ring_schedule, ulysses
 from coc_inject.context_parallel.schedule import ALLGATHER, Schedule
 
 
-def _to_kernel(t: torch.Tensor, groups: int) -> torch.Tensor:
-    """[S, B, H, D] -> [B, G, H/G, S, D] (contiguous)."""
-    s, b, h, d = t.shape
-    return t.permute(1, 2, 0, 3).reshape(b, groups, h // groups, s, d).contiguous()
+def _to_kernel(t: torch.Tensor) -> torch.Tensor:
+    """[S, B, H, D] -> [B, H, S, D] (contiguous)."""
+    return t.permute(1, 2, 0, 3).contiguous()
 
 
 def _from_kernel(t: torch.Tensor, dtype) -> torch.Tensor:
-    """[B, G, R, S, D] -> [S, B, G*R, D] in ``dtype``."""
-    b, g, r, s, d = t.shape
-    return t.reshape(b, g * r, s, d).permute(2, 0, 1, 3).to(dtype)
+    """[B, H, S, D] -> [S, B, H, D] in ``dtype``."""
+    return t.permute(2, 0, 1, 3).to(dtype)
 
 
 class ContextParallelAttention(torch.autograd.Function):
-    """q ``[s, b, heads, d]``, k/v ``[s, b, groups, d]`` in Megatron's CP layout -> out ``[s, b, heads, d]``."""
+    """q ``[s, b, heads, d]``, k/v ``[s, b, groups, d]`` in Megatron's CP layout -> out ``[s, b, heads, d]``,
+    every block through ``kernel`` (coc_inject.attention_kernels)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, schedule: Schedule):
+    def forward(ctx, q, k, v, schedule: Schedule, kernel):
         if schedule.heads_size > 1:
             q, k, v = ulysses.to_head_split(schedule.heads_group, schedule.heads_size, [q, k, v])
-        groups = k.shape[2]
         chunk_len = q.shape[0] // len(schedule.q_ids)
-        q5 = _to_kernel(q, groups)
-        kv = torch.stack((_to_kernel(k, groups)[:, :, 0], _to_kernel(v, groups)[:, :, 0]))
+        q4 = _to_kernel(q)
+        kv = torch.stack((_to_kernel(k), _to_kernel(v)))
         if schedule.algorithm == ALLGATHER:
-            out, lse = allgather.forward(schedule.cp_group, schedule.cp_size, q5, kv, schedule.q_ids,
+            out, lse = allgather.forward(schedule.cp_group, schedule.cp_size, kernel, q4, kv, schedule.q_ids,
                                          schedule.causal, chunk_len, schedule.scale)
         else:
-            out, lse = ring_schedule.forward(schedule.ring, q5, kv, schedule.q_ids, schedule.causal, chunk_len,
-                                             schedule.scale)
+            out, lse = ring_schedule.forward(schedule.ring, kernel, q4, kv, schedule.q_ids, schedule.causal,
+                                             chunk_len, schedule.scale)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q5, kv, out, lse)
-        ctx.schedule, ctx.chunk_len = schedule, chunk_len
+        ctx.save_for_backward(q4, kv, out, lse)
+        ctx.schedule, ctx.kernel, ctx.chunk_len = schedule, kernel, chunk_len
         result = _from_kernel(out, q.dtype)
         if schedule.heads_size > 1:
             (result,) = ulysses.to_sequence_split(schedule.heads_group, schedule.heads_size, [result])
@@ -55,19 +53,17 @@ class ContextParallelAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        schedule = ctx.schedule
-        q5, kv, out, lse = ctx.saved_tensors
+        schedule, kernel = ctx.schedule, ctx.kernel
+        q4, kv, out, lse = ctx.saved_tensors
         if schedule.heads_size > 1:
             (dout,) = ulysses.to_head_split(schedule.heads_group, schedule.heads_size, [dout])
-        dout5 = _to_kernel(dout, q5.shape[1])
-        delta = kernel.output_delta(out, dout5)
-        args = (q5, kv, dout5, lse, delta, schedule.q_ids, schedule.causal, ctx.chunk_len, schedule.scale)
+        dout4 = _to_kernel(dout.to(q4.dtype))
+        args = (kernel, q4, kv, dout4, out, lse, schedule.q_ids, schedule.causal, ctx.chunk_len, schedule.scale)
         if schedule.algorithm == ALLGATHER:
             dq, dkv = allgather.backward(schedule.cp_group, schedule.cp_size, *args)
         else:
             dq, dkv = ring_schedule.backward(schedule.ring, *args)
-        grads = [_from_kernel(dq, q5.dtype), _from_kernel(dkv[0].unsqueeze(2), kv.dtype),
-                 _from_kernel(dkv[1].unsqueeze(2), kv.dtype)]
+        grads = [_from_kernel(dq, q4.dtype), _from_kernel(dkv[0], kv.dtype), _from_kernel(dkv[1], kv.dtype)]
         if schedule.heads_size > 1:
             grads = ulysses.to_sequence_split(schedule.heads_group, schedule.heads_size, grads)
-        return grads[0], grads[1], grads[2], None
+        return grads[0], grads[1], grads[2], None, None

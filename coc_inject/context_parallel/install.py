@@ -3,7 +3,8 @@ the two post-import hooks that do it (registered by bootstrap).
 
 * ``megatron.core.transformer.dot_product_attention``: ``__init__`` and ``forward`` of the exact
   class ``DotProductAttention`` are replaced (a subclass with its own ``__init__``/``forward`` keeps
-  them); a layer built with CP = 1 runs Megatron's code unchanged.
+  them); a layer built with CP = 1 runs Megatron's code unchanged, or with COC_FLASH_ATTN the
+  fused attention kernel (Megatron's code for a call that kernel cannot run exactly, with a reason).
 * ``megatron.core.parallel_state``: ``initialize_model_parallel`` also makes hybrid's Ulysses
   groups (groups.py), where every rank passes; ``destroy_model_parallel`` destroys them.
 """
@@ -59,9 +60,13 @@ def _patch_attention(cls, config) -> None:
         megatron_config = bound["config"]
         # A subclass with a forward of its own would run that forward, not the CP one: it keeps
         # Megatron's __init__, whose assertion refuses CP > 1.
-        if megatron_config.context_parallel_size == 1 or type(self).forward is not cls.__dict__["forward"]:
+        if megatron_config.context_parallel_size == 1 or type(self).forward is not cls.__dict__["forward"] \
+                or config.cp_algorithm is None:
             self._coc_cp = None
-            return original_init(self, *args, **kwargs)
+            original_init(self, *args, **kwargs)
+            if megatron_config.context_parallel_size == 1 and type(self).forward is cls.__dict__["forward"]:
+                self._coc_cp = _flash_plan(self, megatron_config, bound.get("attention_dropout"))
+            return
         pgs = bound.get("pg_collection") or bound.get("model_comm_pgs")
         cp_group = getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group(check_initialized=False)
         plan = attention.plan_layer(
@@ -77,27 +82,68 @@ def _patch_attention(cls, config) -> None:
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         plan = getattr(self, "_coc_cp", None)
-        if plan is None:
+
+        def megatron_forward():
             return original_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                     attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        for feature, given in (("packed sequences (packed_seq_params)", packed_seq_params),
-                               ("attention_bias", attention_bias)):
-            if given is not None:
-                raise attention.ContextParallelError(
-                    f"context parallelism on Megatron's local DotProductAttention does not support {feature}")
-        _agree(plan, query.device)
-        causal = attention.mask_is_causal(plan, query, attention_mask, attn_mask_type or self.attn_mask_type)
+
+        if plan is None:
+            return megatron_forward()
+        try:
+            for feature, given in (("packed sequences (packed_seq_params)", packed_seq_params),
+                                   ("attention_bias", attention_bias)):
+                if given is not None:
+                    raise attention.ContextParallelError(
+                        f"context parallelism on Megatron's local DotProductAttention does not support {feature}")
+            causal = attention.mask_is_causal(plan, query, attention_mask, attn_mask_type or self.attn_mask_type)
+        except attention.ContextParallelError as exc:
+            if not plan.local:
+                raise
+            return _megatron_instead(self, str(exc), megatron_forward)
+        if not plan.local:
+            _agree(plan, query.device)
         variant = _auto_choice(self, plan, query, key, value, causal) if plan.auto else plan.variants[0]
-        out = attention.run(plan, variant, query, key, value, causal)
+        out = attention.run(plan, variant, query, key, value, causal, _layer_name(self))
         coverage = _state["coverage"]
         if coverage is not None:
-            coverage.count_attention(self, variant.describe() + (" (auto)" if plan.auto else ""), plan.cp_size)
+            coverage.count_attention(self, variant.describe() + (" (auto)" if plan.auto else ""), plan.cp_size,
+                                     attention.kernel_for(plan, query, _layer_name(self)).name)
         s, b, heads, d = query.shape
         return out.reshape(s, b, heads * d)
 
     __init__.__coc_inject__ = forward.__coc_inject__ = True
     _patch(cls, "__init__", __init__)
     _patch(cls, "forward", forward)
+
+
+def _layer_name(layer) -> str:
+    return f"attention layer {getattr(layer, 'layer_number', '?')}"
+
+
+def _flash_plan(layer, megatron_config, attention_dropout):
+    """COC_FLASH_ATTN's plan for a layer built with CP = 1, or None (Megatron's attention, said once)."""
+    config = _state["config"]
+    if config is None or not config.flash_attn:
+        return None
+    feature = attention.unsupported_feature(megatron_config, attention_dropout)
+    if feature is not None:
+        log.once(("flash-attn-unsupported", feature), logging.WARNING,
+                 f"COC_FLASH_ATTN: layers with {feature} keep Megatron's local attention")
+        return None
+    plan = attention.plan_local(config)
+    softmax_coefficient = getattr(layer.scale_mask_softmax, "scale", None) or 1.0
+    plan.scale = layer.softmax_scale * softmax_coefficient
+    return plan
+
+
+def _megatron_instead(layer, reason: str, megatron_forward):
+    """COC_FLASH_ATTN: a call the fused kernel cannot run exactly runs Megatron's attention (said once)."""
+    log.once(("flash-attn-call", reason), logging.WARNING,
+             f"COC_FLASH_ATTN: Megatron's local attention runs this call instead: {reason}")
+    coverage = _state["coverage"]
+    if coverage is not None:
+        coverage.count_attention(layer, attention.MEGATRON_INSTEAD, 1, reason)
+    return megatron_forward()
 
 
 def _auto_choice(layer, plan, query, key, value, causal):
@@ -150,7 +196,7 @@ def _patch_parallel_state(parallel_state) -> None:
 def _wanted():
     """The config when context parallelism is requested and this Megatron may be patched, else None."""
     config = job.config()
-    if config.cp_algorithm is None:
+    if not config.attention_armed:
         return None
     megatron = megatron_version.imported()
     decision = megatron_version.support(megatron.version, config.allow_untested_megatron)
@@ -190,6 +236,18 @@ def banner(config, cp_size: int | None) -> str:
     algorithm = ("each layer's cp_comm_type (p2p = ring, a2a = ulysses, a2a+p2p = hybrid, all_gather)"
                  if config.cp_algorithm == attention.FOLLOW_MEGATRON else config.cp_algorithm)
     size = f"CP size {cp_size}" if cp_size is not None else "CP size: Megatron's context_parallel_size"
-    return (f"context parallelism installed on DotProductAttention.__init__/forward: algorithm {algorithm}"
-            f"{window}{degree}, {size} (layers built with CP = 1 run Megatron's own attention; each layer's "
-            "algorithm: the first-step summary)")
+    kernel = f"kernel {config.attn_kernel}" + (f" ({_device_kernel()})" if config.attn_kernel == "auto" else "")
+    at_cp1 = "CP = 1 layers: fused kernel (COC_FLASH_ATTN)" if config.flash_attn else "CP = 1 layers: Megatron's"
+    if config.cp_algorithm is None:
+        return f"fused attention installed on DotProductAttention (COC_FLASH_ATTN), {kernel}"
+    return f"context parallelism installed on DotProductAttention: {algorithm}{window}{degree}, {size}, {kernel}; {at_cp1}"
+
+
+def _device_kernel() -> str:
+    """The fused kernel this process's device would run in its default dtype (for the banner)."""
+    from coc_inject import attention_kernels
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "npu" if hasattr(torch, "npu") else "cpu"
+    kernel, why_not = attention_kernels.fused_kernel(device, torch.bfloat16 if device != "cpu" else torch.float32, 128)
+    return kernel.name if kernel is not None else f"reference on {device}"

@@ -9,7 +9,7 @@ further) while the inner ring runs. ``window == 1`` is the plain ring (every ste
 same way, each step's transfers overlapped with that step's compute, and one last hop brings
 every block's gradient home.
 
-Tensors: queries ``[B,G,R,S,D]`` (kernel shapes), a ring block ``kv = [2,B,G,Sk,D]`` (keys and
+Tensors: queries ``[B,H,S,D]`` (the kernels' shapes), a ring block ``kv = [2,B,G,Sk,D]`` (keys and
 values packed: one transfer per hop).
 """
 
@@ -20,7 +20,8 @@ from functools import lru_cache
 
 import torch
 
-from coc_inject.context_parallel import blocks, kernel, layout
+from coc_inject.attention_kernels.merge import new_accumulators
+from coc_inject.context_parallel import blocks, layout
 from coc_inject.context_parallel.comm import exchange
 
 
@@ -79,9 +80,9 @@ def _pass_on(ring: Ring, block, travelling, outer: bool):
     return _start(ring, sends, recvs, outer), arriving_block, arriving
 
 
-def forward(ring: Ring, q, kv, q_ids, causal: bool, chunk_len: int, scale: float):
+def forward(ring: Ring, kernel, q, kv, q_ids, causal: bool, chunk_len: int, scale: float):
     """Attention of the local queries against every block of the ring: (out fp32, lse fp32)."""
-    acc_out, acc_lse = kernel.new_accumulators(q)
+    acc_out, acc_lse = new_accumulators(q)
     outer_steps = ring.size // ring.window
     outer_kv = kv
     for outer in range(outer_steps):
@@ -92,7 +93,7 @@ def forward(ring: Ring, q, kv, q_ids, causal: bool, chunk_len: int, scale: float
             last_inner = inner == ring.window - 1
             inner_pending, inner_next, _ = _pass_on(ring, None if last_inner else current, None, outer=False)
             plan = _plan(q_ids, ring.chunk_ids[ring.source(outer, inner)], causal)
-            blocks.forward(plan, q, current[0], current[1], chunk_len, scale, acc_out, acc_lse)
+            blocks.forward(kernel, plan, q, current[0], current[1], chunk_len, scale, acc_out, acc_lse)
             inner_pending.wait()
             current = current if last_inner else inner_next
         outer_pending.wait()
@@ -100,8 +101,9 @@ def forward(ring: Ring, q, kv, q_ids, causal: bool, chunk_len: int, scale: float
     return acc_out, acc_lse
 
 
-def backward(ring: Ring, q, kv, dout, lse, delta, q_ids, causal: bool, chunk_len: int, scale: float):
-    """(dq fp32 [B,G,R,S,D], dkv fp32 [2,B,G,Sk,D]) for the local queries and the local block."""
+def backward(ring: Ring, kernel, q, kv, dout, out, lse, q_ids, causal: bool, chunk_len: int, scale: float):
+    """(dq fp32 [B,H,S,D], dkv fp32 [2,B,G,Sk,D]) for the local queries and the local block; ``out``
+    and ``lse`` are the final ones of the forward."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     outer_steps = ring.size // ring.window
     outer_kv, travelling = kv, None  # travelling: gradient accumulator of the previous outer step's block
@@ -109,8 +111,8 @@ def backward(ring: Ring, q, kv, dout, lse, delta, q_ids, causal: bool, chunk_len
         last_outer = outer == outer_steps - 1
         pending, outer_next, arrived = _pass_on(ring, None if last_outer else outer_kv, travelling, outer=True)
         # The gradient of this outer step's block from my window, after its trip round the window.
-        travelling = _window_backward(ring, outer, q, outer_kv, dout, lse, delta, q_ids, causal, chunk_len, scale,
-                                      dq)
+        travelling = _window_backward(ring, kernel, outer, q, outer_kv, dout, out, lse, q_ids, causal, chunk_len,
+                                      scale, dq)
         pending.wait()
         if arrived is not None:
             travelling += arrived
@@ -122,14 +124,14 @@ def backward(ring: Ring, q, kv, dout, lse, delta, q_ids, causal: bool, chunk_len
     return dq, home
 
 
-def _window_backward(ring, outer, q, kv, dout, lse, delta, q_ids, causal, chunk_len, scale, dq):
+def _window_backward(ring, kernel, outer, q, kv, dout, out, lse, q_ids, causal, chunk_len, scale, dq):
     current, travelling = kv, None
     for inner in range(ring.window):
         last_inner = inner == ring.window - 1
         pending, inner_next, arrived = _pass_on(ring, None if last_inner else current, travelling, outer=False)
         dkv = torch.zeros(current.shape, dtype=torch.float32, device=current.device)
         plan = _plan(q_ids, ring.chunk_ids[ring.source(outer, inner)], causal)
-        blocks.backward(plan, q, current[0], current[1], dout, lse, delta, chunk_len, scale, dq, dkv[0], dkv[1])
+        blocks.backward(kernel, plan, q, current[0], current[1], dout, out, lse, chunk_len, scale, dq, dkv[0], dkv[1])
         pending.wait()
         if arrived is not None:
             dkv += arrived

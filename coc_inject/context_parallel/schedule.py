@@ -15,6 +15,8 @@ from coc_inject.context_parallel.ring import Ring
 
 RING, ULYSSES, HYBRID, ALLGATHER = "ring", "ulysses", "hybrid", "allgather"
 ALGORITHMS = (RING, ULYSSES, HYBRID, ALLGATHER)
+# COC_FLASH_ATTN at CP = 1: the whole sequence as one chunk, a ring of one (no transfer).
+LOCAL = "local"
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ def make_schedule(algorithm: str, cp_group, *, causal: bool, scale: float, windo
                   ulysses_group=None, ulysses_size: int = 1) -> Schedule:
     """``algorithm`` over ``cp_group``; hybrid takes this rank's Ulysses group of ``ulysses_size``
     consecutive CP ranks, and ``window`` applies to the ring part (ring, hybrid)."""
+    if algorithm == LOCAL:
+        return Schedule(algorithm, None, 1, (0,), causal, scale, ring=Ring(None, (0,), 0, 1, ((0,),)))
     size, rank = cp_group.size(), cp_group.rank()
     global_ranks = [dist.get_global_rank(cp_group, r) for r in range(size)]
     common = dict(algorithm=algorithm, cp_group=cp_group, cp_size=size, causal=causal, scale=scale)

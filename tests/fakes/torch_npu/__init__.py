@@ -1,4 +1,4 @@
-"""FAKE ``torch_npu`` exposing only the three MC2 ops, for CPU tests. NOT the real library.
+"""FAKE ``torch_npu`` exposing the three MC2 ops and npu_fusion_attention(_grad), for CPU tests. NOT the real library.
 
 Checks the call contract of docs/fused-backends.md §2 / §5.2 — keyword-only arguments, the
 HCCL communicator name of the tensor-parallel group obtained with the caller's *global* rank,
@@ -117,3 +117,62 @@ def npu_all_gather_base_mm(input, x2, hcom, world_size, *, bias=None, gather_ind
     dist.all_gather_into_tensor(gathered, input.float().contiguous(), group=group)
     out = (gathered @ x2.float()).to(input.dtype)
     return out, (gathered.to(input.dtype) if gather_output else torch.empty(0, dtype=input.dtype))
+
+
+# -- npu_fusion_attention / npu_fusion_attention_grad (the FAKE's attention ops) ------------------
+# Contract (torch_npu's op schema; MindSpeed's ring_context_parallel): BNSD layout, head_num = the
+# query heads, fewer K/V heads allowed (GQA), fp16/bf16; a causal block passes the 2048 x 2048
+# upper-triangle bool mask (True = masked) with sparse_mode 3, a full block no mask with sparse_mode
+# 0; softmax_max / softmax_sum are fp32 [B, N, Sq, 8]; the grad's arguments after input_layout are
+# keyword-only. Computes the true result (tests/fakes/attention_math.py).
+ATTENTION_CALLS: list = []
+
+
+def _attention_contract(query, key, value, head_num, input_layout, atten_mask, sparse_mode):
+    assert input_layout == "BNSD" and head_num == query.shape[1], (input_layout, head_num, query.shape)
+    assert query.dtype in (torch.float16, torch.bfloat16) and key.dtype == value.dtype == query.dtype
+    assert query.shape[1] % key.shape[1] == 0 and key.shape == value.shape
+    if sparse_mode == 3:
+        assert atten_mask is not None and atten_mask.dtype == torch.bool and tuple(atten_mask.shape) == (2048, 2048)
+        assert torch.equal(atten_mask[:64, :64], torch.ones(64, 64, dtype=torch.bool).triu(1))
+        assert query.shape[2] == key.shape[2], "a causal block is square"
+        return True
+    assert sparse_mode == 0 and atten_mask is None, (sparse_mode, atten_mask)
+    return False
+
+
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
+                         scale=1.0, keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
+                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False):
+    import attention_math
+
+    causal = _attention_contract(query, key, value, head_num, input_layout, atten_mask, sparse_mode)
+    assert keep_prob == 1.0 and pse is None and padding_mask is None
+    ATTENTION_CALLS.append(("npu_fusion_attention", tuple(query.shape), tuple(key.shape), causal))
+    scores = attention_math.scores(query, key, scale, causal)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_sum = (scores - row_max).exp().sum(dim=-1, keepdim=True)
+    out, _ = attention_math.forward(query, key, value, scale, causal)
+    widen = lambda t: t.float().expand(*t.shape[:-1], 8).contiguous()  # noqa: E731
+    return out.to(query.dtype), widen(row_max), widen(row_sum), torch.empty(0), 0, 0, 0
+
+
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
+                              atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                              attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=2147483647,
+                              next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                              actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
+                              sync=False):
+    import attention_math
+
+    causal = _attention_contract(query, key, value, head_num, input_layout, atten_mask, sparse_mode)
+    stats = (*query.shape[:3], 8)
+    for stat in (softmax_max, softmax_sum):
+        assert stat is not None and stat.dtype == torch.float32 and tuple(stat.shape) == stats, stat
+    assert attention_in is not None and attention_in.shape == query.shape and attention_in.dtype == query.dtype
+    assert dy.shape == query.shape and keep_prob == 1.0
+    ATTENTION_CALLS.append(("npu_fusion_attention_grad", tuple(query.shape), tuple(key.shape), causal))
+    lse = softmax_max[..., 0].double() + softmax_sum[..., 0].double().log()
+    grads = attention_math.backward(dy, query, key, value, attention_in, lse, scale_value, causal)
+    return (*(g.to(query.dtype) for g in grads), None)

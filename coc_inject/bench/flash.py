@@ -1,0 +1,178 @@
+"""``make bench-flash``: the attention kernels against what a user would run instead (issue #19's
+targets), every figure a median of interleaved repetitions in one run, one thread per process.
+
+1. One block, forward + backward, ``[1, 8, 1024, 64]`` causal fp32: the fused CPU flash kernel vs
+   the reference kernel (tiled fp32 torch ops), alternating.
+2. Ring at CP=2 (two local ranks, loopback, the fused kernel) vs torch's
+   ``scaled_dot_product_attention`` on the whole sequence in one process (rank 0, the other rank
+   waiting), alternating; 8 heads, d 64, causal; seq 4096 and 8192, fp32 and bf16.
+3. Peak resident memory of one attention forward + backward per rank (VmHWM after a reset through
+   ``/proc/self/clear_refs``, minus the resident size at the reset), in a fresh pair of processes
+   per sequence: its growth from seq 4096 to 8192 (linear = 2x); the same for SDPA.
+
+Writes ``flash.json`` under ``--out`` and prints the table with the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+BLOCK = (1, 8, 1024, 64)
+SEQS = (4096, 8192)
+DTYPES = ("float32", "bfloat16")
+TARGETS = {"block_speedup": 4.0, "float32": 0.58, "bfloat16": 0.60, "memory_growth": 2.1}
+
+
+def _fwd_bwd(kernel, q, k, v, dout):
+    out, lse = kernel.forward(q, k, v, q.shape[-1] ** -0.5, True)
+    kernel.backward(dout, q, k, v, out, lse, q.shape[-1] ** -0.5, True)
+
+
+def block_kernels(reps: int) -> dict:
+    import torch
+
+    from coc_inject.attention_kernels import cpu, reference
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(BLOCK, generator=generator) for _ in range(4))
+    times = {"cpu-flash": [], "reference": []}
+    for rep in range(reps + 1):
+        for kernel in (cpu.KERNEL, reference.KERNEL)[::(1 if rep % 2 else -1)]:
+            began = time.perf_counter()
+            _fwd_bwd(kernel, q, k, v, dout)
+            if rep:  # the first round warms up
+                times[kernel.name].append(time.perf_counter() - began)
+    ratios = [r / f for r, f in zip(times["reference"], times["cpu-flash"])]
+    return {"shape": list(BLOCK), "ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
+            "speedup": statistics.median(ratios)}
+
+
+def _rss_reset() -> int:
+    """Reset the peak resident size to the current one; returns the current one (bytes)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def ring_rank(args, device) -> dict | None:
+    """One rank: ring CP=2 on the fused kernel vs SDPA on rank 0, alternating; then peak memory."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from coc_inject.bench import attention as bench_attention
+    from coc_inject.context_parallel.function import ContextParallelAttention
+
+    rank = dist.get_rank()
+    schedule = bench_attention._schedules(2, [bench_attention.Variant("ring", "ring")], args.head_dim)["ring"]
+    kernel = bench_attention.kernels(args)[None]
+    inputs = bench_attention._local_inputs(args, 2, rank)
+    whole = bench_attention._whole_inputs(args) if rank == 0 else None
+
+    def ring():
+        leaves = [t.clone().requires_grad_(True) for t in inputs[:3]]
+        ContextParallelAttention.apply(*leaves, schedule, kernel).backward(inputs[3])
+
+    def sdpa():
+        q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(whole[3].permute(1, 2, 0, 3))
+
+    if args.measure == "memory":
+        ring()  # warm-up: one-time allocations are not the attention's
+        dist.barrier()
+        base = _rss_reset()
+        ring()
+        ring_peak = _status("VmHWM") - base
+        dist.barrier()
+        sdpa_peak = None
+        if rank == 0:
+            sdpa()
+            base = _rss_reset()
+            sdpa()
+            sdpa_peak = _status("VmHWM") - base
+        everyone = [None] * 2
+        dist.all_gather_object(everyone, ring_peak)
+        return {"ring_peak_bytes": everyone, "sdpa_peak_bytes": sdpa_peak} if rank == 0 else None
+
+    times = {"ring": [], "sdpa": []}
+    for rep in range(args.reps + 1):
+        for name in ("ring", "sdpa")[::(1 if rep % 2 else -1)]:
+            dist.barrier()
+            began = time.perf_counter()
+            if name == "ring":
+                ring()
+            elif rank == 0:
+                sdpa()
+            elapsed = time.perf_counter() - began
+            if rep:
+                times[name].append(elapsed)
+    # the ring's time: the slower rank's, per repetition
+    slowest = torch.tensor(times["ring"], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    ratios = [r / s for r, s in zip(slowest.tolist(), times["sdpa"])]
+    return {"ring_ms": 1e3 * statistics.median(slowest.tolist()), "sdpa_ms": 1e3 * statistics.median(times["sdpa"]),
+            "ratio": statistics.median(ratios), "kernel": kernel.name}
+
+
+def _run(args, **overrides) -> dict:
+    from coc_inject.bench.run import run_local
+
+    return run_local(argparse.Namespace(**{**vars(args), **overrides}), work=ring_rank, world=2,
+                     command="make bench-flash", megatron=False)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m coc_inject.bench.flash", description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--block-reps", type=int, default=15)
+    parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out/flash"))
+    args = parser.parse_args(argv)
+    common = dict(link=None, threads=1, batch=1, heads=8, kv_groups=8, head_dim=64, kernel="fused")
+    results = {"block": block_kernels(args.block_reps), "ring_vs_sdpa": [], "memory": []}
+    block = results["block"]
+    print(f"block fwd+bwd {list(BLOCK)} causal fp32, 1 thread: cpu-flash {block['ms']['cpu-flash']:.1f} ms, "
+          f"reference {block['ms']['reference']:.1f} ms: {block['speedup']:.2f}x (target >= "
+          f"{TARGETS['block_speedup']}x)", flush=True)
+    for dtype in args.dtypes:
+        for seq in args.seqs:
+            row = {"seq": seq, "dtype": dtype, **_run(argparse.Namespace(reps=args.reps, measure="time"), seq=seq,
+                                                       dtype=dtype, **common)}
+            results["ring_vs_sdpa"].append(row)
+            print(f"ring CP=2 vs sdpa 1 process, seq {seq} {dtype}: ring {row['ring_ms']:.0f} ms, sdpa "
+                  f"{row['sdpa_ms']:.0f} ms: {row['ratio']:.3f}x (target <= {TARGETS[dtype]}x)", flush=True)
+    for seq in args.seqs:
+        row = {"seq": seq, **_run(argparse.Namespace(reps=0, measure="memory"), seq=seq, dtype="float32", **common)}
+        results["memory"].append(row)
+        print(f"peak memory of one fwd+bwd, seq {seq} fp32: ring per rank "
+              f"{[round(b / 2**20, 1) for b in row['ring_peak_bytes']]} MiB, sdpa {row['sdpa_peak_bytes'] / 2**20:.1f} MiB",
+              flush=True)
+    if len(results["memory"]) == 2:
+        small, large = results["memory"]
+        growth = max(b / a for a, b in zip(small["ring_peak_bytes"], large["ring_peak_bytes"]))
+        results["memory_growth"] = growth
+        print(f"peak memory growth seq {small['seq']} -> {large['seq']}: ring {growth:.2f}x per rank (target <= "
+              f"{TARGETS['memory_growth']}x), sdpa {large['sdpa_peak_bytes'] / small['sdpa_peak_bytes']:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "flash.json").write_text(json.dumps({"argv": sys.argv, "targets": TARGETS, **results}, indent=1))
+    print(f"wrote {args.out / 'flash.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
