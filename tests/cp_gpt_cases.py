@@ -162,7 +162,9 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
     for step in range(steps):
         tokens, labels = batch(step, b, seq, vocab)
         positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
-        attention_mask = {"full": causal, "none": None}[mask]
+        padding = causal.clone()
+        padding[..., 3] = True  # one padded key: neither causal nor empty (COC_FLASH_ATTN: Megatron's path)
+        attention_mask = {"full": causal, "none": None, "padding": padding}[mask]
         if cp > 1:
             tokens, labels, positions = (cp_slice(t, 1, cp, cp_rank) for t in (tokens, labels, positions))
             attention_mask = None if attention_mask is None else cp_slice(attention_mask, 2, cp, cp_rank)
@@ -185,13 +187,15 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
             dist.all_reduce(total, group=cp_group)
         losses.append(total.item())
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    algorithms = sorted({m._coc_cp.describe() for m in model.modules() if getattr(m, "_coc_cp", None)})
+    plans = [m._coc_cp for m in model.modules() if getattr(m, "_coc_cp", None)]
+    algorithms = sorted({plan.describe() for plan in plans})
+    kernels = sorted({choice.name for plan in plans for choice in plan.kernels.values()})
     tuner = install._state["tuner"]
     decisions = [] if tuner is None else [
         {"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
         for key, d in tuner.decisions.items()]
     return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
-            "algorithms": algorithms, "decisions": decisions,
+            "algorithms": algorithms, "kernels": kernels, "decisions": decisions,
             "cp_ranks": list(parallel_state.get_context_parallel_global_ranks())}
 
 

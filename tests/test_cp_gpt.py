@@ -55,6 +55,31 @@ def test_cp2_equals_cp1(pool, algorithm):
     run(pool, 1, 2, {"cp_algo": algorithm}, [algorithm])
 
 
+@pytest.mark.parametrize("tp,model", [(1, {}), (2, {"heads": 8, "groups": 2, "sp": True})], ids=["tp1", "tp2-gqa-sp"])
+def test_flash_attention_at_cp1_equals_megatrons_attention(pool, tp, model):
+    """COC_FLASH_ATTN=1: layers built with CP = 1 run the CPU flash kernel, equal to Megatron's unfused
+    local attention within 1e-5 (losses and parameters after 3 SGD steps)."""
+    got = pool.run("tests.cp_gpt_cases:train", tp=tp, cp=1, coc={"flash_attn": True}, **model)
+    assert all(r["algorithms"] == ["local"] and r["kernels"] == ["cpu-flash"] for r in got), got[0]["kernels"]
+    assert_same_training(got, reference(pool, tp, **model))
+
+
+@newest_only
+@pytest.mark.parametrize("mask,kernels", [("none", ["cpu-flash"]), ("padding", [])])
+def test_flash_attention_masks_and_megatrons_path_for_the_rest(pool, mask, kernels):
+    """No mask runs the kernel; a padding mask (neither causal nor empty) runs Megatron's attention."""
+    got = pool.run("tests.cp_gpt_cases:train", tp=1, cp=1, coc={"flash_attn": True}, mask=mask)
+    assert all(r["kernels"] == kernels for r in got)
+    assert_same_training(got, reference(pool, 1, mask=mask))
+
+
+@newest_only
+def test_flash_attention_reference_kernel_forced(pool):
+    got = pool.run("tests.cp_gpt_cases:train", tp=1, cp=2, coc={"cp_algo": "ring", "attn_kernel": "reference"})
+    assert all(r["kernels"] == ["reference"] for r in got)
+    assert_same_training(got, reference(pool, 1))
+
+
 @newest_only
 @pytest.mark.parametrize("coc,want", [
     ({"cp_algo": "ring"}, ["ring"]),

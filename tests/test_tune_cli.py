@@ -172,10 +172,10 @@ def test_attention_shapes_are_decided_by_the_engine_and_cached(tmp_path):
             (32, 1, 4, 2, 8, True, 4, 1, True), (32, 1, 4, 2, 8, True, 4, 1, False)]
     assert set(entries) == set(keys)
     assert [row["key"] for row in rows] == [
-        "attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu",
-        "attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu forward-only",
-        "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu",
-        "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu forward-only"]
+        "attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu cpu-flash",
+        "attention seq 64 batch 1 heads 4/4 dim 16 float32 causal CP4 TP1 cpu forward-only cpu-flash",
+        "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu cpu-flash",
+        "attention seq 32 batch 1 heads 4/2 dim 8 float32 causal CP4 TP1 cpu forward-only cpu-flash"]
     for row, (choice, times, identity) in zip(rows, map(entries.get, keys)):
         assert identity.endswith("; world 4; CP 4; gloo")
         assert set(times) == {"ring", "ulysses", "allgather", "hybrid u=2"}
