@@ -30,7 +30,7 @@ CP_SUITES := tests/test_cp_gpt.py
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link clean
+.PHONY: demo demo-link demo-cp test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -66,6 +66,11 @@ bench-startup: $(VENV)/.installed
 
 bench-accounting: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.accounting
+
+# The attention kernels against what a user runs instead: block kernel fused vs reference, ring CP=2
+# vs scaled_dot_product_attention in one process (seq 4096, 8192; fp32, bf16), peak memory growth.
+bench-flash: $(VENV)/.installed
+	$(VENV)/bin/python -m coc_inject.bench.flash --out benchmarks/results/flash
 
 bench-cp-memory: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/cp_memory.py

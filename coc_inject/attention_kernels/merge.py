@@ -19,5 +19,11 @@ def merge_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, 
     """acc_out, acc_lse <- the softmax over both key sets, in place (any views of the accumulators)."""
     new_lse = torch.logaddexp(acc_lse, lse)
     acc_out.mul_(torch.exp(acc_lse - new_lse).unsqueeze(-1))
-    acc_out.add_(out.float() * torch.exp(lse - new_lse).unsqueeze(-1))
+    acc_out.addcmul_(out, torch.exp(lse - new_lse).unsqueeze(-1))
     acc_lse.copy_(new_lse)
+
+
+def first_into(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """The first block of rows no block has touched yet: merging into (0, -inf) is a copy."""
+    acc_out.copy_(out)
+    acc_lse.copy_(lse)

@@ -30,7 +30,8 @@ def _plan(q_ids, size, causal):
 def forward(group, size, kernel, q, kv, q_ids, causal, chunk_len, scale):
     acc_out, acc_lse = new_accumulators(q)
     whole = _gather(kv, group, size)
-    blocks.forward(kernel, _plan(q_ids, size, causal), q, whole[0], whole[1], chunk_len, scale, acc_out, acc_lse)
+    blocks.forward(kernel, _plan(q_ids, size, causal), q, whole[0], whole[1], chunk_len, scale, acc_out, acc_lse,
+                   set())
     return acc_out, acc_lse
 
 

@@ -7,20 +7,26 @@ Tensors: queries ``[B, H, Sq, D]``, keys/values ``[B, G, Sk, D]`` (the kernels' 
 
 from __future__ import annotations
 
-from coc_inject.attention_kernels.merge import merge_into
+from coc_inject.attention_kernels.merge import first_into, merge_into
 
 
 def _rows(start: int, stop: int, chunk_len: int) -> slice:
     return slice(start * chunk_len, stop * chunk_len)
 
 
-def forward(kernel, plan, q, k, v, chunk_len: int, scale: float, acc_out, acc_lse) -> None:
-    """Attend ``q`` to ``k``/``v`` block by block, merging into acc_out/acc_lse (fp32)."""
+def forward(kernel, plan, q, k, v, chunk_len: int, scale: float, acc_out, acc_lse, touched=None) -> None:
+    """Attend ``q`` to ``k``/``v`` block by block, merging into acc_out/acc_lse (fp32). ``touched``
+    (a set of query chunk indices, kept by the caller across calls) lets a block whose rows no
+    block has reached yet be copied in rather than merged."""
     for block in plan:
         rows = _rows(block.q_start, block.q_stop, chunk_len)
         cols = _rows(block.k_start, block.k_stop, chunk_len)
         out, lse = kernel.forward(q[..., rows, :], k[..., cols, :], v[..., cols, :], scale, block.diagonal)
-        merge_into(acc_out[..., rows, :], acc_lse[..., rows], out, lse)
+        chunks = range(block.q_start, block.q_stop)
+        fold = first_into if touched is not None and touched.isdisjoint(chunks) else merge_into
+        fold(acc_out[..., rows, :], acc_lse[..., rows], out, lse)
+        if touched is not None:
+            touched.update(chunks)
 
 
 def backward(kernel, plan, q, k, v, dout, out, lse, chunk_len: int, scale: float, dq, dk, dv) -> None:

@@ -36,7 +36,10 @@ class ContextParallelAttention(torch.autograd.Function):
             q, k, v = ulysses.to_head_split(schedule.heads_group, schedule.heads_size, [q, k, v])
         chunk_len = q.shape[0] // len(schedule.q_ids)
         q4 = _to_kernel(q)
-        kv = torch.stack((_to_kernel(k), _to_kernel(v)))
+        s, b, g, d = k.shape
+        kv = torch.empty((2, b, g, s, d), dtype=k.dtype, device=k.device)  # one transfer per ring hop
+        kv[0].copy_(k.permute(1, 2, 0, 3))
+        kv[1].copy_(v.permute(1, 2, 0, 3))
         if schedule.algorithm == ALLGATHER:
             out, lse = allgather.forward(schedule.cp_group, schedule.cp_size, kernel, q4, kv, schedule.q_ids,
                                          schedule.causal, chunk_len, schedule.scale)

@@ -83,6 +83,7 @@ def _pass_on(ring: Ring, block, travelling, outer: bool):
 def forward(ring: Ring, kernel, q, kv, q_ids, causal: bool, chunk_len: int, scale: float):
     """Attention of the local queries against every block of the ring: (out fp32, lse fp32)."""
     acc_out, acc_lse = new_accumulators(q)
+    touched: set = set()
     outer_steps = ring.size // ring.window
     outer_kv = kv
     for outer in range(outer_steps):
@@ -93,7 +94,7 @@ def forward(ring: Ring, kernel, q, kv, q_ids, causal: bool, chunk_len: int, scal
             last_inner = inner == ring.window - 1
             inner_pending, inner_next, _ = _pass_on(ring, None if last_inner else current, None, outer=False)
             plan = _plan(q_ids, ring.chunk_ids[ring.source(outer, inner)], causal)
-            blocks.forward(kernel, plan, q, current[0], current[1], chunk_len, scale, acc_out, acc_lse)
+            blocks.forward(kernel, plan, q, current[0], current[1], chunk_len, scale, acc_out, acc_lse, touched)
             inner_pending.wait()
             current = current if last_inner else inner_next
         outer_pending.wait()
