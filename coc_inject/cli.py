@@ -129,6 +129,9 @@ def cmd_status(args) -> int:
 
     for name, why_not in registry.status().items():
         print(f"fused {name:<11} : {'usable' if why_not is None else 'not usable: ' + why_not}")
+    preference = "auto" if errors else config_module.load_config().attn_kernel
+    for line in attention_kernel_lines(preference):
+        print(line)
     print("configuration     :", "INVALID" if errors else "ok")
     for error in errors:
         print(f"  error: {error}")
@@ -178,6 +181,25 @@ def megatron_report(megatron, allow_untested: bool) -> str:
     return "\n".join(lines)
 
 
+def attention_kernel_lines(preference: str) -> list:
+    """Which block kernel coc-inject's attention runs here (COC_ATTN_KERNEL), per device and dtype."""
+    import torch
+
+    from coc_inject import attention_kernels
+
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["npu"] if hasattr(torch, "npu") else [])
+    lines = []
+    for device in devices:
+        for dtype in (torch.float32, torch.bfloat16):
+            try:
+                choice = attention_kernels.choose(preference, device, dtype, 128)
+                text = choice.name + (f" ({choice.fallback_reason})" if choice.fallback_reason else "")
+            except attention_kernels.KernelUnavailable as exc:
+                text = f"none: {exc}"
+            lines.append(f"attention kernel  : {device} {str(dtype).removeprefix('torch.')}, head dim 128 -> {text}")
+    return lines
+
+
 def reference_markdown() -> str:
     """The README's variable and config-file tables, rendered from the config module."""
     from coc_inject.config import ENV_REFERENCE, FILE_REFERENCE
@@ -202,7 +224,8 @@ def report_table(reports: list) -> str:
         for layer in report.get("layers", []):
             rows.append((layer["name"], layer["class"], str(layer["shape"]), layer["route"],
                          "-" if layer["chunks"] is None else str(layer["chunks"]), str(layer["calls"]),
-                         f"{layer['algorithm']}, CP={layer['cp_size']}" if "algorithm" in layer
+                         f"{layer['algorithm']}, CP={layer['cp_size']}, kernel {layer.get('kernel') or '-'}"
+                         + (f": {layer['reason']}" if layer.get("reason") else "") if "algorithm" in layer
                          else layer["backend"] or layer["reason"] or ""))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
         lines = [head] + ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1]

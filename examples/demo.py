@@ -13,10 +13,11 @@ is skipped.
 
 Parts 3 and 4: context parallelism on Megatron's local attention. The same script with a long
 sequence (CP_MODEL: seq 2048) at CP=1 (1 rank, Megatron's own attention) and at CP=2 (2 ranks,
-``--context-parallel-size 2``, coc-inject armed by ``COC_CP_ALGO=auto`` only). Prints the losses
+``--context-parallel-size 2``, coc-inject armed by ``COC_CP_ALGO=auto`` only), and at CP=1 with
+``COC_FLASH_ATTN=1`` (the fused attention kernel instead of Megatron's [s x s] one). Prints the losses
 side by side (equal within 1e-5), the bytes the attention layers keep for backward per rank (the
 script's own count) and its ratio to CP=1, the step times, and the algorithm each attention
-layer ran (COC_REPORT of every rank, with auto's decisions). Part 4 runs the CP=2 job over the
+layer ran and its attention kernel (COC_REPORT of every rank, with auto's decisions). Part 4 runs the CP=2 job over the
 emulated link with ``COC_CP_ALGO`` = ring, allgather and auto, interleaved (``--cp-rounds N``
 repeats the three), against the same CP=1 run; else one line says why it is skipped. Every rank
 runs one thread: torchrun sets OMP_NUM_THREADS=1 only for 2+ processes per node, so the 1-rank
@@ -167,12 +168,13 @@ def print_algorithms(workdir, name, ranks) -> set:
         decisions.append([(d["key"], d["algorithm"]) for d in report.get("attention_decisions") or []])
         if rank == 0:
             shown = report.get("attention_decisions") or []
-    skip = {"name", "class", "route", "algorithm", "cp_size", "calls", "chunks"}
+    skip = {"name", "class", "route", "algorithm", "cp_size", "calls", "chunks", "kernel"}
     for layer_name, seen in sorted(per_layer.items()):
         layer = seen[0][1]
         algorithms = " / ".join(sorted({lay["algorithm"] for _, lay in seen}))
         extra = {k: v for k, v in layer.items() if k not in skip and v not in (None, [], {}, "")}
-        print(f"  {layer_name}: {algorithms} (CP={layer['cp_size']}, {layer['calls']} calls; ranks "
+        kernels = " / ".join(sorted({lay["kernel"] or "-" for _, lay in seen}))
+        print(f"  {layer_name}: {algorithms}, kernel {kernels} (CP={layer['cp_size']}, {layer['calls']} calls; ranks "
               f"{', '.join(str(rank) for rank, _ in seen)})" + (f" {json.dumps(extra)}" if extra else ""))
     for decision in shown:
         times = ", ".join(f"{a} {t:.1f}" for a, t in decision.get("times_ms", {}).items())
@@ -191,7 +193,12 @@ def cp_loopback(workdir, steps, algorithm, tp2) -> tuple[bool, dict]:
           "the 1-rank run gets it explicitly): CP=1 computes on one core, CP=2 on two.", flush=True)
     cp1 = run("CP=1: Megatron's own attention, torchrun 1 rank", clean_env(OMP_NUM_THREADS="1"), workdir, steps,
               None, CP_MODEL, name="cp1", ranks=1)
-    runs = [(f"CP=2 {algorithm}", "cp2", 2,
+    flash_env = clean_env(OMP_NUM_THREADS="1", PYTHONPATH=str(SITE), COC_FLASH_ATTN="1",
+                          COC_REPORT=str(Path(workdir) / "report-cp1flash-{rank}.json"))
+    runs = [("CP=1 flash", "cp1flash", 1,
+             run("CP=1: COC_FLASH_ATTN=1 (the fused attention kernel at CP = 1), torchrun 1 rank", flash_env, workdir,
+                 steps, None, CP_MODEL, name="cp1flash", ranks=1)),
+            (f"CP=2 {algorithm}", "cp2", 2,
              cp_run(f"CP=2: COC_CP_ALGO={algorithm}, torchrun 2 ranks, the same script + --context-parallel-size 2",
                     algorithm, workdir, steps, name="cp2"))]
     if tp2:
@@ -217,7 +224,7 @@ def cp_loopback(workdir, steps, algorithm, tp2) -> tuple[bool, dict]:
         per_rank = ", ".join(f"rank {r} {mib(b)}" for r, b in enumerate(result["attention_saved_bytes"]))
         print(f"  {label}: {per_rank} -> {ratio:.3f} of CP=1 "
               f"(target <= {MEMORY_BOUND}: {'met' if ratio <= MEMORY_BOUND else 'MISSED'})")
-    print("\nalgorithm per attention layer (COC_REPORT of every rank):")
+    print("\nalgorithm and attention kernel per attention layer (COC_REPORT of every rank):")
     for label, name, ranks, _ in runs:
         print(f" {label}:")
         print_algorithms(workdir, name, ranks)
