@@ -125,7 +125,7 @@ def ring_rank(args, device) -> dict | None:
         ring_peak = _status("VmHWM") - base
         dist.barrier()
         sdpa_peak = None
-        if rank == 0:
+        if rank == 0 and getattr(args, "sdpa", True):
             sdpa()
             base = _rss_reset()
             sdpa()
