@@ -159,3 +159,27 @@ def test_choose_per_device_dtype_and_head_dim(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed: import fails
     npu.KERNEL._torch_npu = None
     assert "torch_npu cannot be imported" in choose("auto", "npu", torch.bfloat16, 128).fallback_reason
+
+
+def test_a_layer_falls_back_to_the_reference_once_with_its_reason(caplog):
+    """A call no fused kernel can run (here: tensors on the meta device) runs the reference kernel,
+    decided once per call shape, with one warning naming why; COC_ATTN_KERNEL=fused stops instead."""
+    from coc_inject import log
+    from coc_inject.config import CocConfig
+    from coc_inject.context_parallel import attention
+
+    log.reset_once()
+    query = torch.empty(8, 1, 4, 16, device="meta")
+    plan = attention.plan_local(CocConfig(flash_attn=True))
+    with caplog.at_level("WARNING", logger="coc_inject"):
+        choices = [attention.kernel_for(plan, query, "attention layer 1") for _ in range(3)]
+    assert {c.name for c in choices} == {"reference"} and len(plan.kernels) == 1
+    lines = [r.getMessage() for r in caplog.records if "reference kernel" in r.getMessage()]
+    assert lines == ["attention on meta in float32, head dim 16 runs the reference kernel (tiled fp32 torch ops, "
+                     "slower): no fused attention kernel for meta tensors"]
+    forced = attention.plan_local(CocConfig(flash_attn=True, attn_kernel="fused"))
+    with pytest.raises(attention.ContextParallelError, match="attention layer 1: COC_ATTN_KERNEL=fused: no fused "
+                                                             "attention kernel can run this call"):
+        attention.kernel_for(forced, query, "attention layer 1")
+    assert attention.kernel_for(attention.plan_local(CocConfig(flash_attn=True, attn_kernel="reference")),
+                                torch.empty(8, 1, 4, 16), "x").fallback_reason == "COC_ATTN_KERNEL=reference"

@@ -233,21 +233,23 @@ def on_attention_imported(module) -> None:
 def banner(config, cp_size: int | None) -> str:
     window = f", window {config.cp_window}" if config.cp_window > 1 else ""
     degree = f", Ulysses degree {config.cp_ulysses_degree}" if config.cp_ulysses_degree else ""
-    algorithm = ("each layer's cp_comm_type (p2p = ring, a2a = ulysses, a2a+p2p = hybrid, all_gather)"
-                 if config.cp_algorithm == attention.FOLLOW_MEGATRON else config.cp_algorithm)
+    algorithm = ("each layer's cp_comm_type" if config.cp_algorithm == attention.FOLLOW_MEGATRON
+                 else config.cp_algorithm)
     size = f"CP size {cp_size}" if cp_size is not None else "CP size: Megatron's context_parallel_size"
     kernel = f"kernel {config.attn_kernel}" + (f" ({_device_kernel()})" if config.attn_kernel == "auto" else "")
     at_cp1 = "CP = 1 layers: fused kernel (COC_FLASH_ATTN)" if config.flash_attn else "CP = 1 layers: Megatron's"
     if config.cp_algorithm is None:
         return f"fused attention installed on DotProductAttention (COC_FLASH_ATTN), {kernel}"
-    return f"context parallelism installed on DotProductAttention: {algorithm}{window}{degree}, {size}, {kernel}; {at_cp1}"
+    return (f"context parallelism installed on DotProductAttention: {algorithm}{window}{degree}, {size}, {kernel}; "
+            f"{at_cp1}")
 
 
 def _device_kernel() -> str:
     """The fused kernel this process's device would run in its default dtype (for the banner)."""
-    from coc_inject import attention_kernels
     import torch
 
+    from coc_inject import attention_kernels
+
     device = "cuda" if torch.cuda.is_available() else "npu" if hasattr(torch, "npu") else "cpu"
-    kernel, why_not = attention_kernels.fused_kernel(device, torch.bfloat16 if device != "cpu" else torch.float32, 128)
+    kernel, _ = attention_kernels.fused_kernel(device, torch.bfloat16 if device != "cpu" else torch.float32, 128)
     return kernel.name if kernel is not None else f"reference on {device}"
