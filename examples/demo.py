@@ -12,7 +12,7 @@ sized so communication matters (LINK_MODEL: 4096 rows per step); otherwise one l
 is skipped.
 
 Parts 3 and 4: context parallelism on Megatron's local attention. The same script with a long
-sequence (CP_MODEL: seq 2048) at CP=1 (1 rank, Megatron's own attention) and at CP=2 (2 ranks,
+sequence (CP_MODEL: seq 4096) at CP=1 (1 rank, Megatron's own attention) and at CP=2 (2 ranks,
 ``--context-parallel-size 2``, coc-inject armed by ``COC_CP_ALGO=auto`` only), and at CP=1 with
 ``COC_FLASH_ATTN=1`` (the fused attention kernel instead of Megatron's [s x s] one). Prints the losses
 side by side (equal within 1e-5), the bytes the attention layers keep for backward per rank (the
@@ -112,7 +112,7 @@ def print_decisions(report) -> None:
 # Context-parallel part: a long sequence and a small model, so the attention is most of the work
 # (and, on the link, its key/value transfers of the same order as its compute); rope: no
 # position table. The same model on loopback and on the link, so CP=1 runs once.
-CP_SEQ = 2048
+CP_SEQ = 4096  # --cp-seq; the emulated link's balance point with the fused kernel (C ~ M per attention call)
 CP_MODEL = ["--seq-length", str(CP_SEQ), "--micro-batch-size", "1", "--num-layers", "2", "--hidden-size", "256",
             "--num-attention-heads", "4", "--ffn-hidden-size", "512", "--vocab-size", "256",
             "--position-embedding-type", "rope"]
@@ -297,6 +297,7 @@ def cp_link(cp1, rate, steps, algorithms, rounds) -> bool:
 
 
 def main(argv=None) -> int:
+    global CP_SEQ
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=30, help="loopback training steps (default 30)")
     parser.add_argument("--chunks", default="auto", help="COC_PARALLEL_NUM of the CoC runs (default auto)")
@@ -311,8 +312,12 @@ def main(argv=None) -> int:
                              "interleaved (default ring,allgather,auto)")
     parser.add_argument("--cp-rounds", type=int, default=1, help="rounds of part 4's interleaved runs (default 1)")
     parser.add_argument("--cp-tp2", action="store_true", help="part 3 also runs TP2xCP2 on 4 ranks")
+    parser.add_argument("--cp-seq", type=int, default=CP_SEQ, help=f"parts 3-4's sequence length (default {CP_SEQ})")
     parser.add_argument("script_args", nargs="*", help="extra arguments for the training script (parts 1-2)")
     args = parser.parse_args(argv)
+    if args.cp_seq != CP_SEQ:  # the CP parts' model at another length
+        CP_SEQ = args.cp_seq
+        CP_MODEL[CP_MODEL.index("--seq-length") + 1] = str(CP_SEQ)
 
     ok = True
     if args.part in ("all", "coc"):
