@@ -277,6 +277,12 @@ class Coverage:
         if self.config.cp_algo is not None and not totals[CONTEXT_PARALLEL]:
             lines.append(f"COC_CP_ALGO={self.config.cp_algo} but no attention call ran with context parallelism "
                          "during the first step (context_parallel_size 1, or no local DotProductAttention)")
+        fused_at_cp1 = any(key[0] == CONTEXT_PARALLEL and key[1] == 1 and not key[2].startswith("Megatron")
+                           for r in self.all_records() for key in r.routes)
+        if self.config.flash_attn and not self.config.disabled and not fused_at_cp1:
+            lines.append("COC_FLASH_ATTN=1 but no attention call ran the fused kernel at CP = 1 during the first step "
+                         "(no local DotProductAttention built with CP = 1, or Megatron's path for every call: see "
+                         "the warnings above)")
         if self.config.enabled and totals[CHUNKED] + totals[FUSED] == 0 and not auto_stepped_aside:
             lines.append("CoC is on but no layer call went through it during the first step"
                          + (" (see the reasons above)" if totals[MEGATRON] else " (no patched layer was called)"))

@@ -268,3 +268,19 @@ def test_a_freed_layers_calls_stay_in_the_report():
     assert sorted((layer["route"], layer["calls"], layer["shape"]) for layer in report["layers"]) == [
         ("chunked", 1, [8, 2, 2]), ("megatron", 1, [4, 2, 2])]
     assert report["calls"] == {"chunked": 1, "fused": 0, "megatron": 1, "context-parallel": 0}
+
+
+@newest_only
+def test_flash_attention_that_never_ran_is_warned_about():
+    class Attention:  # a stand-in layer: Coverage only keeps a weak reference and the class name
+        pass
+
+    layer = Attention()
+    accounting = coverage.Coverage(CocConfig(flash_attn=True), {})
+    accounting.count_attention(layer, "Megatron's attention", 1, "a padding mask")
+    assert any(line.startswith("COC_FLASH_ATTN=1 but no attention call ran the fused kernel") for line in
+               accounting.warnings())
+    accounting.count_attention(layer, "local", 1, "cpu-flash")
+    assert not any("COC_FLASH_ATTN" in line for line in accounting.warnings())
+    assert accounting.attention_summary() == ("fused attention on 1 layers (Megatron's attention for: a padding mask; "
+                                            "kernel cpu-flash): 2 calls")
