@@ -4,7 +4,7 @@ Each worker imports the real megatron-core, joins a gloo group and initialises M
 model-parallel state with TP = world size. Tests send a function (by ``module:name``) to
 every rank and get each rank's return value back; assertions happen in the test process.
 
-CPU shims, test-only (BRIEF §2): Megatron allocates some sequence-parallel buffers with
+CPU shims, test-only: Megatron allocates some sequence-parallel buffers with
 ``torch.cuda.current_device()``; the workers point that at the CPU. coc-inject's own code
 never calls it (a test checks the source).
 """

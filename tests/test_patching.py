@@ -155,7 +155,7 @@ def test_status_lists_the_guards_of_the_installed_release():
 
 
 def test_engine_never_allocates_with_cuda_current_device():
-    # BRIEF §2: Megatron's torch.cuda.current_device() allocations break on CPU/NPU; ours follow
+    # Megatron's torch.cuda.current_device() allocations break on CPU/NPU; ours follow
     # the input's device.
     # (coc_inject/bench is left out: its CPU ranks point Megatron's own calls at the CPU.)
     package = pathlib.Path(patching.__file__).parent

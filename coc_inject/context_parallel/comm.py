@@ -4,7 +4,7 @@ all-to-all over heads, all-gather / reduce-scatter of key/value blocks.
 Every function starts its transfer and returns something with ``wait()``. The schedules call
 them from inside ONE autograd Function per attention call, in the same order on every rank:
 same-shaped transfers of two separate autograd nodes could otherwise pair up in a different
-order on different ranks in backward -- wrong gradients, no error (BRIEF §9).
+order on different ranks in backward -- wrong gradients, no error.
 """
 
 from __future__ import annotations

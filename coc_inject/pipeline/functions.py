@@ -1,6 +1,6 @@
 """One autograd Function per CoC case, named for what it computes.
 
-Notation (BRIEF §1): the matmul is ``y = x @ Wᵀ`` with ``x`` flattened to ``[m, k]`` and the
+Notation: the matmul is ``y = x @ Wᵀ`` with ``x`` flattened to ``[m, k]`` and the
 local weight shard ``W`` of shape ``[n, k]``. ``bounds`` are chunk row ranges from
 :mod:`coc_inject.pipeline.layout`; under sequence parallelism they index the per-rank block
 of the ``[TP, B, ...]`` view.
