@@ -95,7 +95,7 @@ def ring_rank(args, device) -> dict | None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from coc_inject.bench import attention as bench_attention
+    from coc_inject.bench import attention as bench_attention, attention_inputs
     from coc_inject.context_parallel.function import ContextParallelAttention
 
     rank = dist.get_rank()
@@ -103,10 +103,10 @@ def ring_rank(args, device) -> dict | None:
         from coc_inject.attention_kernels import reference
 
         reference.TILE = args.reference_tile
-    schedule = bench_attention._schedules(2, [bench_attention.Variant("ring", "ring")], args.head_dim)["ring"]
-    kernel = bench_attention.kernels(args)[None]
-    inputs = bench_attention._local_inputs(args, 2, rank)
-    whole = bench_attention._whole_inputs(args) if rank == 0 else None
+    schedule = attention_inputs.schedules(2, [bench_attention.Variant("ring", "ring")], args.head_dim)["ring"]
+    kernel = attention_inputs.kernels(args)[None]
+    inputs = attention_inputs.local_inputs(args, 2, rank)
+    whole = attention_inputs.whole_inputs(args) if rank == 0 else None
 
     def ring():
         leaves = [t.clone().requires_grad_(True) for t in inputs[:3]]

@@ -1,0 +1,79 @@
+"""What one benchmarked attention call takes: each variant's schedule over the local ranks, the
+inputs (whole sequence and this rank's rows in Megatron's CP layout), the block kernels, and the
+yardstick -- ``scaled_dot_product_attention`` on the whole sequence in one process. Used by
+``coc-inject bench --cases attention`` and ``make bench-flash``."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+def schedules(cp: int, variants: list, dim: int) -> dict:
+    """One schedule per variant over the whole world (= the CP group). Every rank creates every
+    group in the same order (new_group is collective), hybrid's Ulysses pairs included."""
+    import torch.distributed as dist
+
+    from coc_inject.context_parallel.schedule import make_schedule
+
+    cp_group = dist.new_group(list(range(cp)))
+    rank = dist.get_rank()
+    pairs = {}
+    if any(v.algorithm == "hybrid" for v in variants):
+        for start in range(0, cp, 2):
+            group = dist.new_group([start, start + 1])
+            if rank in (start, start + 1):
+                pairs[2] = group
+    return {v.name: make_schedule(v.algorithm, cp_group, causal=True, scale=1 / math.sqrt(dim), window=v.window,
+                                  ulysses_group=pairs.get(v.ulysses), ulysses_size=v.ulysses)
+            for v in variants}
+
+
+def whole_inputs(args):
+    """q, k, v, dout of the whole sequence ([s, b, heads|groups, d], --dtype)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1234)
+    shapes = [(args.seq, args.batch, n, args.head_dim) for n in (args.heads, args.kv_groups, args.kv_groups,
+                                                                 args.heads)]
+    return [torch.randn(shape, generator=generator).to(getattr(torch, args.dtype)) for shape in shapes]
+
+
+def local_inputs(args, cp: int, rank: int):
+    """This rank's q, k, v, dout rows ([s/cp, b, heads|groups, d]), Megatron's layout."""
+    from coc_inject.context_parallel import layout
+
+    rows = layout.global_positions(layout.rank_chunks(rank, cp), args.seq // (2 * cp))
+    return [t[rows].contiguous() for t in whole_inputs(args)]
+
+
+def kernels(args) -> dict:
+    """{None: the --kernel block kernel, "reference": the reference} (the fused one of this device)."""
+    import torch
+
+    from coc_inject import attention_kernels
+    from coc_inject.attention_kernels import reference
+
+    primary = reference.KERNEL if args.kernel == "reference" else attention_kernels.choose(
+        attention_kernels.FUSED, "cpu", getattr(torch, args.dtype), args.head_dim).kernel
+    return {None: primary, "reference": reference.KERNEL}
+
+
+def sdpa_call(whole):
+    """The yardstick on rank 0: scaled_dot_product_attention on the whole sequence, forward and
+    backward, (forward s, backward s); the other ranks wait at a barrier (and report zeros)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    forward = backward = 0.0
+    dist.barrier()
+    if dist.get_rank() == 0:  # timed alone: the Timer's barrier would wait for the other ranks
+        q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
+        dout = whole[3].permute(1, 2, 0, 3)
+        began = time.perf_counter()
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        forward = time.perf_counter() - began
+        out.backward(dout)
+        backward = time.perf_counter() - began - forward
+    dist.barrier()
+    return forward, backward
