@@ -3,6 +3,7 @@ and the invariants that could break (no timing thresholds: this VM's timings are
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -108,3 +109,18 @@ def test_bad_attention_arguments_are_clear_errors(argv, message):
     with pytest.raises(SystemExit) as exit_:
         main(["--cases", "attention", *argv])
     assert message in str(exit_.value)
+
+
+def test_the_kernel_and_the_sdpa_yardstick_are_reported(bench_json):
+    """Every CP size names the block kernel that ran (the fused CPU one by default) and has the
+    yardstick row: SDPA on the whole sequence in one process, timed in every repetition."""
+    payload, stdout, _ = bench_json
+    assert payload["shape"]["kernel"] == "fused" and "kernel cpu-flash" in payload["title"]
+    for raw, case in zip(payload["raw"], payload["summary"].values()):
+        assert raw["kernel"] == case["kernel"] == "cpu-flash"
+        assert len(raw["times"]["sdpa"]["forward"]) == 2 and case["sdpa"]["fwd_bwd_ms"] > 0
+        ring_over_sdpa = [r / s for r, s in zip(*(
+            [f + b for f, b in zip(raw["times"][name]["forward"], raw["times"][name]["backward"])]
+            for name in ("ring", "sdpa")))]
+        assert case["sdpa"]["ring_over_sdpa"] == pytest.approx(statistics.median(ring_over_sdpa))
+    assert "sdpa, 1 process" in stdout
