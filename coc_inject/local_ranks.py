@@ -6,12 +6,28 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+from contextlib import contextmanager
+
+COC_PREFIXES = ("COC_", "USE_COC_")
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextmanager
+def without_coc_variables():
+    """Processes spawned inside start with coc-inject's variables unset (they install what they
+    measure themselves); this process's environment is given back as it was on the way out."""
+    saved = {key: value for key, value in os.environ.items() if key.startswith(COC_PREFIXES)}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _entry(worker, rank, world, port, queue, args):

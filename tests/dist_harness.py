@@ -14,16 +14,9 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-import socket
 import traceback
 
-COC_VARS_PREFIXES = ("COC_", "USE_COC_")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from coc_inject.local_ranks import free_port, without_coc_variables
 
 
 def _resolve(path: str):
@@ -80,20 +73,15 @@ class RankPool:
         self.broken = None
         self.timeout = timeout
         context = multiprocessing.get_context("spawn")
-        port = _free_port()
-        saved = {k: v for k, v in os.environ.items() if k.startswith(COC_VARS_PREFIXES)}
-        for key in saved:  # workers start with CoC off; tests install configs explicitly
-            del os.environ[key]
-        try:
-            self.conns, self.procs = [], []
+        port = free_port()
+        self.conns, self.procs = [], []
+        with without_coc_variables():  # workers start with CoC off; tests install configs explicitly
             for rank in range(world_size):
                 parent, child = context.Pipe()
                 proc = context.Process(target=_worker, args=(rank, world_size, port, child), daemon=True)
                 proc.start()
                 self.conns.append(parent)
                 self.procs.append(proc)
-        finally:
-            os.environ.update(saved)
         self._collect("startup")
 
     def _collect(self, what):

@@ -194,3 +194,17 @@ def test_auto_decides_once_before_the_repetitions_and_they_run_its_n(pool2, tmp_
     assert set(decision["times_ms"]) == {"1", "2", "4", "8"}
     # The timed auto calls ran the decided path: one CoC call each, or Megatron's (none).
     assert decision["coc_calls"] == ([1] * 3 if expect_coc else [0] * 3)
+
+
+def test_local_ranks_start_without_coc_variables_and_the_parent_keeps_its_own(monkeypatch):
+    import os
+
+    from coc_inject.local_ranks import without_coc_variables
+
+    monkeypatch.setenv("COC_PARALLEL_NUM", "4")
+    monkeypatch.setenv("USE_COC_FUSED_KERNEL", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with without_coc_variables():
+        assert "COC_PARALLEL_NUM" not in os.environ and "USE_COC_FUSED_KERNEL" not in os.environ
+        assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ["COC_PARALLEL_NUM"] == "4" and os.environ["USE_COC_FUSED_KERNEL"] == "1"

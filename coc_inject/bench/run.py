@@ -137,16 +137,15 @@ def initialize_megatron(args, world: int) -> None:
 
 def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench", megatron: bool = True) -> dict:
     from coc_inject.bench.link import EmulatedLink
-    from coc_inject.local_ranks import free_port, run_local_ranks
+    from coc_inject.local_ranks import free_port, run_local_ranks, without_coc_variables
 
-    for key in [k for k in os.environ if k.startswith(("COC_", "USE_COC_"))]:
-        del os.environ[key]  # the bench installs each variant itself
     try:
-        if args.link:
-            with EmulatedLink(args.link) as link:
-                # The rendezvous port is on the link's own address: any port is free there.
-                return run_local_ranks(_local_rank, world, 29500, args, link.names, work, megatron)
-        return run_local_ranks(_local_rank, world, free_port(), args, None, work, megatron)
+        with without_coc_variables():  # the bench installs each variant itself
+            if args.link:
+                with EmulatedLink(args.link) as link:
+                    # The rendezvous port is on the link's own address: any port is free there.
+                    return run_local_ranks(_local_rank, world, 29500, args, link.names, work, megatron)
+            return run_local_ranks(_local_rank, world, free_port(), args, None, work, megatron)
     except RuntimeError as error:
         raise SystemExit(f"{command} failed:\n{error}") from None
 
