@@ -717,11 +717,11 @@ def _resolve(environ, argv_flags, cp_flags=None) -> tuple[dict, list]:
     env_cp = {target: parse(name, parser, target) for name, parser, target in _CP_VARIABLES}
     parse("COC_FLASH_ATTN", parse_bool, "flash_attn")
     parse("COC_ATTN_KERNEL", parse_attn_kernel, "attn_kernel")
-    if "attn_kernel" in values and not values.get("disabled"):
-        _attention_kernel_needs_attention(values, errors)
 
     _merge_flags(argv_flags, env_parallel_num, env_fused, values, errors)
     _merge_cp_flags(cp_flags or {}, env_cp, values, errors)
+    if "attn_kernel" in values and not values.get("disabled"):  # after the flags: they may switch attention on
+        _attention_kernel_needs_attention(values, errors)
     return values, errors
 
 
@@ -751,23 +751,25 @@ def _merge_cp_flags(cp_flags, env_cp, values, errors) -> None:
                 "the same value in both places, or only one of them",
                 message=(f"{flag} {cp_flags[target]} disagrees with {variable}={env_cp[target].strip()}: "
                          "set only one of them, or the same value in both")))
-    if values.get("cp_algo") is not None or values.get("disabled"):
+    if values.get("cp_algo") is not None or values.get("disabled") or _coc_on(values):
         return
-    coc_on = values.get("fused") or values.get("parallel_num", 1) != 1 or any(
-        chunks != 1 for _, chunks in values.get("customized_coc", ()))
     for variable, _, target, flag in _CP_SETTINGS[1:]:
-        if target in values and not coc_on:
+        if target in values:
             given = flag if target in cp_flags else variable
             errors.append(ConfigError(given, values[target], "COC_CP_ALGO (or --context-parallel-algo) set too, "
                                       "or CoC on (then the algorithm follows Megatron's cp_comm_type)",
                                       reason="is given but context parallelism is not switched on"))
 
 
+def _coc_on(values) -> bool:
+    """Are the linears' CoC on in these resolved values (CocConfig.enabled, before the config exists)?"""
+    return bool(values.get("fused") or values.get("parallel_num", 1) != 1 or any(
+        chunks != 1 for _, chunks in values.get("customized_coc", ())))
+
+
 def _attention_kernel_needs_attention(values, errors) -> None:
     """COC_ATTN_KERNEL without any attention of coc-inject's would do nothing: an error."""
-    coc_on = values.get("fused") or values.get("parallel_num", 1) != 1 or any(
-        chunks != 1 for _, chunks in values.get("customized_coc", ()))
-    if values.get("cp_algo") is None and not values.get("flash_attn") and not coc_on:
+    if values.get("cp_algo") is None and not values.get("flash_attn") and not _coc_on(values):
         errors.append(ConfigError("COC_ATTN_KERNEL", values["attn_kernel"],
                                   "COC_CP_ALGO or COC_FLASH_ATTN=1 set too (or CoC on: then the context-parallel "
                                   "algorithm follows Megatron's cp_comm_type)",

@@ -825,6 +825,10 @@ def test_attention_kernel_and_flash_attention_settings():
     assert config.cp_algorithm is None and not config.enabled  # the linears and CP stay off
     assert load_config({"COC_CP_ALGO": "ring", "COC_ATTN_KERNEL": "fused"}).attn_kernel == "fused"
     assert load_config({"COC_PARALLEL_NUM": "2", "COC_ATTN_KERNEL": "fused"}).attn_kernel == "fused"
+    # MindSpeed's flags switch attention on too (they are merged after the variables).
+    assert load_config({"COC_ATTN_KERNEL": "fused"}, cp_flags={"cp_algo": "ring"}).attn_kernel == "fused"
+    assert load_config({"COC_ATTN_KERNEL": "fused"},
+                       argv_flags={"use_ascend_coc": True, "parallel_num": 2}).attn_kernel == "fused"
     assert CocConfig().attn_kernel == "auto" and not CocConfig().flash_attn and not CocConfig().attention_armed
     assert not load_config({"COC_FLASH_ATTN": "1", "COC_DISABLE": "1"}).armed
     # Agreed across ranks only when set: default configurations keep their fingerprint.
