@@ -187,9 +187,8 @@ def attention_kernel_lines(preference: str) -> list:
 
     from coc_inject import attention_kernels
 
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["npu"] if hasattr(torch, "npu") else [])
     lines = []
-    for device in devices:
+    for device in attention_kernels.devices_here():
         for dtype in (torch.float32, torch.bfloat16):
             try:
                 choice = attention_kernels.choose(preference, device, dtype, 128)

@@ -38,8 +38,9 @@ from coc_inject import log, megatron_version
 CHUNKED, FUSED, MEGATRON = "chunked", "fused", "megatron"
 # An attention call run by coc-inject (context parallelism, or COC_FLASH_ATTN at CP = 1):
 # key (CONTEXT_PARALLEL, cp size, algorithm, kernel) -- or, for a COC_FLASH_ATTN call Megatron's
-# attention ran instead, (CONTEXT_PARALLEL, 1, "Megatron's attention", reason).
+# attention ran instead, (CONTEXT_PARALLEL, 1, MEGATRON_ATTENTION, reason).
 CONTEXT_PARALLEL = "context-parallel"
+MEGATRON_ATTENTION = "Megatron's attention"
 # The start of the reason when COC_PARALLEL_NUM=auto measured Megatron's own path fastest: CoC
 # stepping aside on purpose is not a "CoC did nothing" problem.
 AUTO_CHOSE_MEGATRON = "auto chose Megatron's own path"
@@ -80,7 +81,7 @@ class LayerRecord:
 
 def _attention_kind(key) -> str:
     _, cp_size, algorithm, kernel = key
-    if algorithm.startswith("Megatron"):
+    if algorithm == MEGATRON_ATTENTION:
         return f"{algorithm} for: {kernel}"
     return (f"{algorithm}, CP={cp_size}, " if cp_size > 1 else "") + f"kernel {kernel}"
 
@@ -277,7 +278,7 @@ class Coverage:
         if self.config.cp_algo is not None and not totals[CONTEXT_PARALLEL]:
             lines.append(f"COC_CP_ALGO={self.config.cp_algo} but no attention call ran with context parallelism "
                          "during the first step (context_parallel_size 1, or no local DotProductAttention)")
-        fused_at_cp1 = any(key[0] == CONTEXT_PARALLEL and key[1] == 1 and not key[2].startswith("Megatron")
+        fused_at_cp1 = any(key[0] == CONTEXT_PARALLEL and key[1] == 1 and key[2] != MEGATRON_ATTENTION
                            for r in self.all_records() for key in r.routes)
         if self.config.flash_attn and not self.config.disabled and not fused_at_cp1:
             lines.append("COC_FLASH_ATTN=1 but no attention call ran the fused kernel at CP = 1 during the first step "
@@ -297,7 +298,7 @@ class Coverage:
         for record in self.all_records():
             for (route, chunks, backend, reason), calls in record.routes.items():
                 if route == CONTEXT_PARALLEL:
-                    megatron_instead = backend.startswith("Megatron")
+                    megatron_instead = backend == MEGATRON_ATTENTION
                     layers.append({"name": record.name or record.cls, "class": record.cls, "shape": record.shape,
                                    "route": route, "algorithm": backend, "cp_size": chunks, "chunks": None,
                                    "backend": None, "kernel": None if megatron_instead else reason,

@@ -183,3 +183,9 @@ def test_a_layer_falls_back_to_the_reference_once_with_its_reason(caplog):
         attention.kernel_for(forced, query, "attention layer 1")
     assert attention.kernel_for(attention.plan_local(CocConfig(flash_attn=True, attn_kernel="reference")),
                                 torch.empty(8, 1, 4, 16), "x").fallback_reason == "COC_ATTN_KERNEL=reference"
+
+
+def test_the_config_offers_exactly_the_kernel_preferences():
+    from coc_inject.config import ATTN_KERNELS  # the config stays torch-free, so it keeps its own copy
+
+    assert ATTN_KERNELS == attention_kernels.PREFERENCES

@@ -277,7 +277,7 @@ def test_flash_attention_that_never_ran_is_warned_about():
 
     layer = Attention()
     accounting = coverage.Coverage(CocConfig(flash_attn=True), {})
-    accounting.count_attention(layer, "Megatron's attention", 1, "a padding mask")
+    accounting.count_attention(layer, coverage.MEGATRON_ATTENTION, 1, "a padding mask")
     assert any(line.startswith("COC_FLASH_ATTN=1 but no attention call ran the fused kernel") for line in
                accounting.warnings())
     accounting.count_attention(layer, "local", 1, "cpu-flash")

@@ -43,6 +43,13 @@ class Choice:
         return self.kernel.name
 
 
+def devices_here() -> list:
+    """The device types of this process that have a backend: the CPU, then CUDA / Ascend when present."""
+    import torch
+
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else []) + (["npu"] if hasattr(torch, "npu") else [])
+
+
 def fused_kernel(device_type: str, dtype, head_dim: int):
     """(the fused kernel for this device, dtype and head dim, None) or (None, why not)."""
     if device_type == "cpu":

@@ -260,7 +260,8 @@ def run_rank(args, device) -> dict | None:
     schedules = attention_inputs.schedules(cp, variants, args.head_dim)
     inputs = attention_inputs.local_inputs(args, cp, rank)
     whole = attention_inputs.whole_inputs(args) if rank == 0 else None
-    kernel_of = {v.name: attention_inputs.kernels(args)[v.kernel] for v in variants}
+    kernel_by_kind = attention_inputs.kernels(args)
+    kernel_of = {v.name: kernel_by_kind[v.kernel] for v in variants}
     timer = Timer(device)
     ring_variants = [v for v in variants if v.is_ring]
 

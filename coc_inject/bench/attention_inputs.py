@@ -59,21 +59,26 @@ def kernels(args) -> dict:
     return {None: primary, "reference": reference.KERNEL}
 
 
-def sdpa_call(whole):
-    """The yardstick on rank 0: scaled_dot_product_attention on the whole sequence, forward and
-    backward, (forward s, backward s); the other ranks wait at a barrier (and report zeros)."""
-    import torch.distributed as dist
+def sdpa(whole) -> tuple:
+    """The yardstick in this process: scaled_dot_product_attention on the whole sequence (causal),
+    forward and backward; returns (forward s, backward s)."""
     import torch.nn.functional as F
 
-    forward = backward = 0.0
+    q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
+    dout = whole[3].permute(1, 2, 0, 3)
+    began = time.perf_counter()
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    forward = time.perf_counter() - began
+    out.backward(dout)
+    return forward, time.perf_counter() - began - forward
+
+
+def sdpa_call(whole):
+    """The yardstick on rank 0 (sdpa), timed alone -- the Timer's barrier would wait for the other
+    ranks, which wait at a barrier instead (and report zeros)."""
+    import torch.distributed as dist
+
     dist.barrier()
-    if dist.get_rank() == 0:  # timed alone: the Timer's barrier would wait for the other ranks
-        q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
-        dout = whole[3].permute(1, 2, 0, 3)
-        began = time.perf_counter()
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-        forward = time.perf_counter() - began
-        out.backward(dout)
-        backward = time.perf_counter() - began - forward
+    times = sdpa(whole) if dist.get_rank() == 0 else (0.0, 0.0)
     dist.barrier()
-    return forward, backward
+    return times

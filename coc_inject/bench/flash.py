@@ -93,7 +93,6 @@ def ring_rank(args, device) -> dict | None:
     """One rank: ring CP=2 on the fused kernel vs SDPA on rank 0, alternating; then peak memory."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from coc_inject.bench import attention as bench_attention, attention_inputs
     from coc_inject.context_parallel.function import ContextParallelAttention
@@ -112,10 +111,6 @@ def ring_rank(args, device) -> dict | None:
         leaves = [t.clone().requires_grad_(True) for t in inputs[:3]]
         ContextParallelAttention.apply(*leaves, schedule, kernel).backward(inputs[3])
 
-    def sdpa():
-        q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(whole[3].permute(1, 2, 0, 3))
-
     if args.measure == "memory":
         _malloc_returns_memory()
         ring()  # warm-up: one-time allocations are not the attention's
@@ -126,9 +121,9 @@ def ring_rank(args, device) -> dict | None:
         dist.barrier()
         sdpa_peak = None
         if rank == 0 and getattr(args, "sdpa", True):
-            sdpa()
+            attention_inputs.sdpa(whole)
             base = _rss_reset()
-            sdpa()
+            attention_inputs.sdpa(whole)
             sdpa_peak = _status("VmHWM") - base
         everyone = [None] * 2
         dist.all_gather_object(everyone, ring_peak)
@@ -142,7 +137,7 @@ def ring_rank(args, device) -> dict | None:
             if name == "ring":
                 ring()
             elif rank == 0:
-                sdpa()
+                attention_inputs.sdpa(whole)
             elapsed = time.perf_counter() - began
             if rep:
                 times[name].append(elapsed)

@@ -30,8 +30,6 @@ from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, LOCAL, RING,
 CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID, "all_gather": ALLGATHER,
                  "allgather": ALLGATHER}
 FOLLOW_MEGATRON = "megatron"
-# COC_FLASH_ATTN: a call the fused kernel cannot run exactly, run by Megatron's attention (counted as such).
-MEGATRON_INSTEAD = "Megatron's attention"
 
 
 class ContextParallelError(ValueError):
@@ -302,12 +300,12 @@ def kernel_for(plan: LayerCP, query, layer_name: str) -> attention_kernels.Choic
     return choice
 
 
-def run(plan: LayerCP, variant: Variant, query, key, value, causal: bool, layer_name: str = "attention"):
-    """[s, b, heads, d] q and [s, b, groups, d] k/v (this rank's rows) -> [s, b, heads, d]."""
+def run(plan: LayerCP, variant: Variant, query, key, value, causal: bool, kernel):
+    """[s, b, heads, d] q and [s, b, groups, d] k/v (this rank's rows) -> [s, b, heads, d], every
+    block through ``kernel`` (kernel_for's choice)."""
     if variant.kv_repeats > 1:
         key = key.repeat_interleave(variant.kv_repeats, dim=2)
         value = value.repeat_interleave(variant.kv_repeats, dim=2)
-    kernel = kernel_for(plan, query, layer_name).kernel
     return ContextParallelAttention.apply(query, key, value, schedule_for(plan, variant, causal), kernel)
 
 

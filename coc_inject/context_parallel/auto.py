@@ -47,19 +47,19 @@ class AttentionKey:
         return choice
 
 
-def choose(tuner, plan, query, key, value, causal: bool, tp: int):
-    """The variant of ``plan`` for this call's shape (trials at the shape's first call)."""
+def choose(tuner, plan, query, key, value, causal: bool, tp: int, kernel):
+    """The variant of ``plan`` for this call's shape (trials at the shape's first call, on ``kernel``)."""
     s, b, heads, d = query.shape
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     decision_key = AttentionKey(s * plan.cp_size, b, heads, key.shape[2], d, str(query.dtype).replace("torch.", ""),
                                 causal, plan.cp_size, tp, query.device.type, backward,
-                                attention.kernel_for(plan, query, "attention").name)
+                                kernel.name)
     by_name = {variant.describe(): variant for variant in plan.variants}
 
     def trial(name):
         inputs = [t.detach().clone().requires_grad_(backward) for t in (query, key, value)]
         with torch.enable_grad() if backward else torch.no_grad():
-            out = attention.run(plan, by_name[name], *inputs, causal)
+            out = attention.run(plan, by_name[name], *inputs, causal, kernel)
             if backward:
                 torch.autograd.grad(out, inputs, torch.ones_like(out))
 

@@ -16,7 +16,7 @@ import inspect
 import logging
 import os
 
-from coc_inject import job, log, megatron_version
+from coc_inject import coverage as coverage_module, job, log, megatron_version
 from coc_inject.context_parallel import attention, groups
 
 _originals: dict = {}  # (owner, attribute name) -> original
@@ -102,12 +102,13 @@ def _patch_attention(cls, config) -> None:
             return _megatron_instead(self, str(exc), megatron_forward)
         if not plan.local:
             _agree(plan, query.device)
-        variant = _auto_choice(self, plan, query, key, value, causal) if plan.auto else plan.variants[0]
-        out = attention.run(plan, variant, query, key, value, causal, _layer_name(self))
+        kernel = attention.kernel_for(plan, query, _layer_name(self)).kernel
+        variant = _auto_choice(self, plan, query, key, value, causal, kernel) if plan.auto else plan.variants[0]
+        out = attention.run(plan, variant, query, key, value, causal, kernel)
         coverage = _state["coverage"]
         if coverage is not None:
             coverage.count_attention(self, variant.describe() + (" (auto)" if plan.auto else ""), plan.cp_size,
-                                     attention.kernel_for(plan, query, _layer_name(self)).name)
+                                     kernel.name)
         s, b, heads, d = query.shape
         return out.reshape(s, b, heads * d)
 
@@ -142,11 +143,11 @@ def _megatron_instead(layer, reason: str, megatron_forward):
              f"COC_FLASH_ATTN: Megatron's local attention runs this call instead: {reason}")
     coverage = _state["coverage"]
     if coverage is not None:
-        coverage.count_attention(layer, attention.MEGATRON_INSTEAD, 1, reason)
+        coverage.count_attention(layer, coverage_module.MEGATRON_ATTENTION, 1, reason)
     return megatron_forward()
 
 
-def _auto_choice(layer, plan, query, key, value, causal):
+def _auto_choice(layer, plan, query, key, value, causal, kernel):
     from coc_inject.context_parallel import auto
     from coc_inject.tuning import Tuner, cache_for
 
@@ -155,7 +156,8 @@ def _auto_choice(layer, plan, query, key, value, causal):
         tuner = _state["tuner"] = Tuner(config, cache_for(config))
         if _state["coverage"] is not None:
             _state["coverage"].attention_decisions = lambda: tuner.decisions
-    return auto.choose(_state["tuner"], plan, query, key, value, causal, layer.config.tensor_model_parallel_size)
+    return auto.choose(_state["tuner"], plan, query, key, value, causal, layer.config.tensor_model_parallel_size,
+                       kernel)
 
 
 def auto_decisions() -> dict:
@@ -250,6 +252,6 @@ def _device_kernel() -> str:
 
     from coc_inject import attention_kernels
 
-    device = "cuda" if torch.cuda.is_available() else "npu" if hasattr(torch, "npu") else "cpu"
+    device = next((d for d in attention_kernels.devices_here() if d != "cpu"), "cpu")  # an accelerator first
     kernel, _ = attention_kernels.fused_kernel(device, torch.bfloat16 if device != "cpu" else torch.float32, 128)
     return kernel.name if kernel is not None else f"reference on {device}"
