@@ -1,0 +1,219 @@
+"""Multi-copy parallel on one TransformerBlock call: split, run the copies in turns, join.
+
+A block call splits its micro-batch along the batch dimension into ``n`` copies (hidden states
+``[s, b, h]`` on dim 1, with or without sequence parallelism; the mask's and every per-sample
+input's batch rows with them; rotary embeddings shared), runs Megatron's own block forward on
+each copy, the copies taking turns at their collectives (scheduler.py), and joins the outputs:
+one split and one join per block. The backward runs each copy's backward the same way, inside
+one autograd node, so its collectives keep the fixed order too; the parameters' gradients of
+all copies are summed and handed to autograd once, as without copies (hooks fire once).
+
+A call that copies cannot run exactly runs Megatron's block with a reason (:func:`plan`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from coc_inject.multi_copy import rng, scheduler
+
+# Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
+# shared by every copy when they hold no batch (rotary embeddings) or refused (plan()).
+BATCH_DIMS = {"hidden_states": 1, "context": 1, "attention_mask": 0, "context_mask": 0, "padding_mask": 0,
+              "attention_bias": 0}
+SHARED = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
+# Arguments copies cannot take: inference state and packed sequences (Megatron's path, with the reason).
+REFUSED = {"inference_context": "inference", "inference_params": "inference", "sequence_len_offset": "inference",
+           "packed_seq_params": "packed sequences (THD)", "extract_layer_indices": "extract_layer_indices",
+           "dynamic_inference_decode_only": "inference"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one call is cut: the copies' sizes along the batch and which arguments are cut."""
+
+    copies: int
+    batch: int
+    cut: tuple  # names of the arguments cut along their batch dimension
+
+    @property
+    def sizes(self) -> list:
+        return [self.batch // self.copies] * self.copies
+
+
+def block_reason(block, copies: int) -> str | None:
+    """Why ``block`` cannot run as copies at all (whatever the call), or None."""
+    config = block.config
+    if block.training and (config.hidden_dropout > 0 or config.attention_dropout > 0):
+        return (f"dropout > 0 (hidden {config.hidden_dropout}, attention {config.attention_dropout}): the copies would "
+                "draw their masks in another order")
+    for flag in ("fp8", "fp4", "cpu_offloading"):
+        if getattr(config, flag, None):
+            return f"{flag} is on"
+    if getattr(config, "enable_cuda_graph", False) or getattr(config, "cuda_graph_impl", "none") not in ("none", None):
+        return "CUDA graphs are on"
+    for layer in block.layers:
+        if "MoE" in type(getattr(layer, "mlp", None)).__name__:
+            return "MoE layers (routing statistics and the aux loss are per batch)"
+    return None
+
+
+def plan(block, copies: int, arguments: dict) -> Split | str:
+    """The split of one call (``arguments``: forward's arguments by name), or why not."""
+    for name, why in REFUSED.items():
+        value = arguments.get(name)
+        if value is not None and not (name == "extract_layer_indices" and not value):
+            return f"{why} ({name} given)"
+    hidden = arguments.get("hidden_states")
+    if not block.pre_process:
+        hidden = block.input_tensor
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        return "the hidden states are not one [s, b, h] tensor"
+    batch = hidden.shape[1]
+    if batch % copies:
+        return f"micro-batch {batch} is not divisible by {copies} copies"
+    cut = []
+    for name, value in arguments.items():
+        if name in ("self", "hidden_states") or value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return f"{name} requires grad (its gradient would not reach it through the copies)"
+            if name in BATCH_DIMS and value.dim() > BATCH_DIMS[name] and value.shape[BATCH_DIMS[name]] == batch \
+                    and batch > 1:
+                cut.append(name)
+            elif name in BATCH_DIMS and value.dim() > BATCH_DIMS[name] and value.shape[BATCH_DIMS[name]] not in (1, batch):
+                return f"{name} has {value.shape[BATCH_DIMS[name]]} rows for micro-batch {batch}"
+            elif name not in BATCH_DIMS and name not in SHARED:
+                return f"an argument coc-inject does not know how to split ({name})"
+        elif name not in BATCH_DIMS and name not in SHARED and name not in REFUSED and not _plain(value):
+            return f"an argument coc-inject does not know how to split ({name})"
+    return Split(copies, batch, tuple(cut))
+
+
+def _plain(value) -> bool:
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
+def _pieces(tensor, dim: int, sizes: list) -> list:
+    return list(tensor.split(sizes, dim=dim))
+
+
+class CopiesRunner:
+    """Runs one block call as copies: forward (the copies in turns) and, later, their backward."""
+
+    def __init__(self, block, original, arguments: dict, split: Split, threaded_backward: bool):
+        self.block, self.original, self.split = block, original, split
+        self.arguments = arguments
+        self.threaded_backward = threaded_backward
+        self.handovers = 0
+
+    def _copy_arguments(self, index: int) -> dict:
+        arguments = dict(self.arguments)
+        for name in self.split.cut:
+            arguments[name] = _pieces(arguments[name], BATCH_DIMS[name], self.split.sizes)[index].contiguous()
+        return arguments
+
+    def forward(self, hidden: torch.Tensor, grad: bool):
+        pieces = [piece.detach().contiguous().requires_grad_(grad) for piece in _pieces(hidden, 1, self.split.sizes)]
+        block, original = self.block, self.original
+        held_input = getattr(block, "input_tensor", None)
+
+        def copy(index):
+            def run():
+                arguments = self._copy_arguments(index)
+                if block.pre_process:
+                    arguments["hidden_states"] = pieces[index]
+                else:  # Megatron reads a pipeline stage's input before the first collective: one copy's turn
+                    block.input_tensor = pieces[index]
+                with torch.set_grad_enabled(grad):
+                    output = original(**arguments)
+                if not isinstance(output, torch.Tensor):
+                    raise TypeError(f"TransformerBlock.forward returned {type(output).__name__}, not a tensor: "
+                                    "multi-copy cannot join it")
+                return output
+            return run
+
+        try:
+            outputs = self._turns([copy(i) for i in range(self.split.copies)], threaded=True)
+        finally:
+            if not block.pre_process:
+                block.input_tensor = held_input
+        return pieces, outputs
+
+    def backward(self, pieces, outputs, grad_output, params):
+        grads = _pieces(grad_output, 1, self.split.sizes)
+
+        def copy(index):
+            def run():
+                inputs = [pieces[index]] + params
+                return torch.autograd.grad(outputs[index], inputs, grads[index].contiguous(), allow_unused=True)
+            return run
+
+        results = self._turns([copy(i) for i in range(self.split.copies)], threaded=self.threaded_backward)
+        grad_input = torch.cat([result[0] if result[0] is not None else torch.zeros_like(piece)
+                                for result, piece in zip(results, pieces)], dim=1)
+        grad_params = []
+        for position in range(len(params)):
+            terms = [result[1 + position] for result in results if result[1 + position] is not None]
+            grad_params.append(None if not terms else _sum(terms))
+        return grad_input, grad_params
+
+    def _turns(self, work, threaded: bool) -> list:
+        if not threaded:  # a device's autograd runs its nodes on one engine thread: the copies one after another
+            return [item() for item in work]
+        run = scheduler.CopyRun(len(work), save=rng.save, restore=rng.restore)
+        results = run.run(work)
+        self.handovers += run.handovers
+        return results
+
+
+def _sum(terms):
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+class CopiesThroughBlock(torch.autograd.Function):
+    """Block forward as copies in turns; its backward as the copies' backward in turns."""
+
+    @staticmethod
+    def forward(ctx, runner, hidden, *params):
+        pieces, outputs = runner.forward(hidden, grad=True)
+        ctx.runner, ctx.pieces, ctx.outputs, ctx.params = runner, pieces, outputs, list(params)
+        return torch.cat([output.detach() for output in outputs], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_params = ctx.runner.backward(ctx.pieces, ctx.outputs, grad_output, ctx.params)
+        ctx.pieces = ctx.outputs = ctx.params = None  # the copies' graphs go with this node
+        return (None, grad_input, *grad_params)
+
+
+def bind(original, block, args, kwargs) -> dict:
+    """forward's arguments by name (``self`` left out), defaults included."""
+    bound = inspect.signature(original).bind(block, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    extra = arguments.pop("kwargs", None)
+    if extra:
+        arguments.update(extra)
+    return arguments
+
+
+def run_copies(block, original, copies: int, args, kwargs, split: Split):
+    """The block call as ``copies`` copies (``split`` from :func:`plan`)."""
+    arguments = bind(original, block, args, kwargs)
+    hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
+    bound_original = original.__get__(block, type(block))
+    runner = CopiesRunner(block, bound_original, arguments, split, threaded_backward=hidden.device.type == "cpu")
+    if not torch.is_grad_enabled():
+        _, outputs = runner.forward(hidden, grad=False)
+        return torch.cat(outputs, dim=1), runner
+    params = [p for p in block.parameters() if p.requires_grad]
+    return CopiesThroughBlock.apply(runner, hidden, *params), runner

@@ -1,0 +1,104 @@
+"""install() / uninstall() of multi-copy parallel: TransformerBlock.forward and the collectives.
+
+* ``megatron.core.transformer.transformer_block``: ``TransformerBlock.forward`` runs a call as
+  copies (block.py) or, with the reason counted, Megatron's own forward.
+* ``torch.distributed``'s collectives and Megatron's aliases of them: inside a copy, a wait for
+  the network hands the baton on (collectives.py); outside copies they call through.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import sys
+
+import torch.distributed as dist
+
+from coc_inject.multi_copy import block as copies_block, collectives, scheduler
+
+logger = logging.getLogger("coc_inject.multi_copy")
+
+_originals: dict = {}  # (owner, attribute) -> original
+_state = {"copies": 1, "on_route": None}
+
+
+def _patch(owner, name, replacement) -> None:
+    _originals[(owner, name)] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, replacement)
+
+
+def install(copies: int, transformer_block_module, on_route=None) -> None:
+    """Run every TransformerBlock call as ``copies`` copies. ``on_route(block, copies, reason)`` is told
+    each call's route (copies, or 1 with the reason). Idempotent."""
+    uninstall()
+    _state.update(copies=copies, on_route=on_route)
+    _patch_collectives()
+    _patch_memory_buffer()
+    cls = transformer_block_module.TransformerBlock
+    _patch(cls, "forward", _copies_forward(cls.__dict__["forward"]))
+
+
+def uninstall() -> None:
+    for (owner, name), original in reversed(list(_originals.items())):
+        setattr(owner, name, original)
+    _originals.clear()
+    _state.update(copies=1, on_route=None)
+
+
+def _patch_collectives() -> None:
+    originals = {}
+    for name in collectives.COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is not None:
+            originals[original] = collectives.wrap(original)
+            _patch(dist, name, originals[original])
+    _patch(dist, "batch_isend_irecv", collectives.wrap_batch(dist.batch_isend_irecv))
+    for module_name, names in collectives.MEGATRON_ALIASES.items():
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+        for name in names:
+            value = getattr(module, name, None)
+            if value in originals:
+                _patch(module, name, originals[value])
+
+
+def _patch_memory_buffer() -> None:
+    """Megatron's global memory buffer hands every caller of a name the same memory (the
+    sequence-parallel all-gather's input, for one): a copy gets its own, or the other copy would
+    overwrite it while a collective reads it."""
+    from megatron.core import utils
+
+    cls = utils.GlobalMemoryBuffer
+    original = cls.__dict__["get_tensor"]
+
+    @functools.wraps(original)
+    def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
+        copy = scheduler.current_copy()
+        return original(self, tensor_shape, dtype, name if copy is None else f"{name}@copy{copy}", *args, **kwargs)
+
+    _patch(cls, "get_tensor", get_tensor)
+
+
+def _copies_forward(original):
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        copies = _state["copies"]
+        reason = copies_block.block_reason(self, copies)
+        split = None
+        if reason is None:
+            split = copies_block.plan(self, copies, copies_block.bind(original, self, args, kwargs))
+            if isinstance(split, str):
+                reason, split = split, None
+        _tell(self, copies if split else 1, reason)
+        if split is None:
+            return original(self, *args, **kwargs)
+        output, _ = copies_block.run_copies(self, original, copies, args, kwargs, split)
+        return output
+
+    forward.__coc_multi_copy__ = True
+    return forward
+
+
+def _tell(block, copies, reason) -> None:
+    if _state["on_route"] is not None:
+        _state["on_route"](block, copies, reason)

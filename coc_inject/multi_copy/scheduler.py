@@ -1,0 +1,139 @@
+"""Copies of a computation taking turns on one device: the baton.
+
+Each copy runs in its own thread, but only the holder of the baton runs; a copy hands the
+baton on exactly where it would wait for the network (a collective it must wait for), so that
+the other copy computes while that collective is in flight. The hand-over points are program
+points of the copies themselves, so the interleaving -- and with it the order in which every
+collective is issued -- is the same on every rank: copy 0's first collective, copy 1's first,
+copy 0's second, ... (MindSpore's comm0(i) -> comm1(i) -> comm0(i+1)), by construction, not by
+a scheduler's whim.
+
+What a copy sees as global state that another copy could change between its turns (the RNG
+states) is saved when it hands the baton on and restored when it takes it back
+(``switch_hooks``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Sequence
+
+_current = threading.local()
+
+
+class CopyAborted(RuntimeError):
+    """Another copy failed: this one stops at its next hand-over."""
+
+
+def current() -> "CopyRun | None":
+    """The run the calling thread is a copy of, or None outside copies."""
+    return getattr(_current, "run", None)
+
+
+def current_copy() -> int | None:
+    return getattr(_current, "index", None)
+
+
+class CopyRun:
+    """One round of ``n`` copies taking turns; :meth:`run` returns each copy's result in order."""
+
+    def __init__(self, n: int, save: Callable[[], object] | None = None, restore: Callable[[object], None] | None = None):
+        self.n = n
+        self._save, self._restore = save, restore
+        self._turn = 0
+        self._done = [False] * n
+        self._failed: BaseException | None = None
+        self._cond = threading.Condition()
+        self._saved: list = [None] * n
+        self.handovers = 0
+
+    # -- inside a copy ------------------------------------------------------------------------
+
+    def hand_over(self) -> None:
+        """The calling copy is about to wait for the network: let the next copy run meanwhile."""
+        index = _current.index
+        nxt = self._next_after(index)
+        if nxt == index:
+            return
+        self._switch(index, nxt)
+
+    def _next_after(self, index: int) -> int:
+        for step in range(1, self.n + 1):
+            other = (index + step) % self.n
+            if not self._done[other]:
+                return other
+        return index
+
+    def _switch(self, index: int, nxt: int) -> None:
+        if self._save is not None:
+            self._saved[index] = self._save()
+        with self._cond:
+            self.handovers += 1
+            self._turn = nxt
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._turn == index or self._failed is not None)
+            if self._failed is not None:
+                raise CopyAborted("another copy failed")
+        if self._restore is not None and self._saved[index] is not None:
+            self._restore(self._saved[index])
+
+    # -- the caller ---------------------------------------------------------------------------
+
+    def run(self, work: Sequence[Callable[[], object]]) -> list:
+        assert len(work) == self.n
+        results: list = [None] * self.n
+        parent_grad = _thread_state()
+        first_state = self._save() if self._save is not None else None
+        self._saved = [first_state] * self.n
+
+        def body(index: int) -> None:
+            _current.run, _current.index = self, index
+            _apply_thread_state(parent_grad)
+            try:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._turn == index or self._failed is not None)
+                    if self._failed is not None:
+                        return
+                if self._restore is not None and index != 0:
+                    self._restore(self._saved[index])
+                results[index] = work[index]()
+            except CopyAborted:
+                pass
+            except BaseException as error:  # the first failure stops every copy
+                with self._cond:
+                    if self._failed is None:
+                        self._failed = error
+                    self._cond.notify_all()
+            finally:
+                if self._save is not None:
+                    self._saved[index] = self._save()
+                with self._cond:
+                    self._done[index] = True
+                    nxt = self._next_after(index)
+                    if nxt != index:
+                        self._turn = nxt
+                    self._cond.notify_all()
+                _current.run = _current.index = None
+
+        threads = [threading.Thread(target=body, args=(i,), name=f"coc-copy-{i}", daemon=True) for i in range(self.n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if self._failed is not None:
+            raise self._failed
+        if self._restore is not None:  # the caller goes on from copy 0's state
+            self._restore(self._saved[0])
+        return results
+
+
+def _thread_state():
+    import torch
+
+    return torch.is_grad_enabled()
+
+
+def _apply_thread_state(grad_enabled) -> None:
+    import torch
+
+    torch.set_grad_enabled(grad_enabled)
