@@ -5,8 +5,8 @@ A block call splits its micro-batch along the batch dimension into ``n`` copies 
 input's batch rows with them; rotary embeddings shared), runs Megatron's own block forward on
 each copy, the copies taking turns at their collectives (scheduler.py), and joins the outputs:
 one split and one join per block. The backward runs each copy's backward the same way, inside
-one autograd node, so its collectives keep the fixed order too; the parameters' gradients of
-all copies are summed and handed to autograd once, as without copies (hooks fire once).
+one autograd node, so its collectives keep the fixed order too (like Megatron's reentrant
+recompute: the parameters' gradients accumulate from each copy's backward).
 
 A call that copies cannot run exactly runs Megatron's block with a reason (:func:`plan`).
 """
@@ -144,23 +144,18 @@ class CopiesRunner:
                 block.input_tensor = held_input
         return pieces, outputs
 
-    def backward(self, pieces, outputs, grad_output, params):
+    def backward(self, pieces, outputs, grad_output):
+        """Each copy's backward (parameters' gradients accumulate as they do without copies, as in
+        Megatron's recompute, whose reentrant backward needs a plain ``backward``); the input's gradient."""
         grads = _pieces(grad_output, 1, self.split.sizes)
 
         def copy(index):
             def run():
-                inputs = [pieces[index]] + params
-                return torch.autograd.grad(outputs[index], inputs, grads[index].contiguous(), allow_unused=True)
+                torch.autograd.backward(outputs[index], grads[index].contiguous())
             return run
 
-        results = self._turns([copy(i) for i in range(self.split.copies)], threaded=self.threaded_backward)
-        grad_input = torch.cat([result[0] if result[0] is not None else torch.zeros_like(piece)
-                                for result, piece in zip(results, pieces)], dim=1)
-        grad_params = []
-        for position in range(len(params)):
-            terms = [result[1 + position] for result in results if result[1 + position] is not None]
-            grad_params.append(None if not terms else _sum(terms))
-        return grad_input, grad_params
+        self._turns([copy(i) for i in range(self.split.copies)], threaded=self.threaded_backward)
+        return torch.cat([piece.grad if piece.grad is not None else torch.zeros_like(piece) for piece in pieces], dim=1)
 
     def _turns(self, work, threaded: bool) -> list:
         if not threaded:  # a device's autograd runs its nodes on one engine thread: the copies one after another
@@ -171,27 +166,20 @@ class CopiesRunner:
         return results
 
 
-def _sum(terms):
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
-
-
 class CopiesThroughBlock(torch.autograd.Function):
     """Block forward as copies in turns; its backward as the copies' backward in turns."""
 
     @staticmethod
-    def forward(ctx, runner, hidden, *params):
+    def forward(ctx, runner, hidden):
         pieces, outputs = runner.forward(hidden, grad=True)
-        ctx.runner, ctx.pieces, ctx.outputs, ctx.params = runner, pieces, outputs, list(params)
+        ctx.runner, ctx.pieces, ctx.outputs = runner, pieces, outputs
         return torch.cat([output.detach() for output in outputs], dim=1)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_input, grad_params = ctx.runner.backward(ctx.pieces, ctx.outputs, grad_output, ctx.params)
-        ctx.pieces = ctx.outputs = ctx.params = None  # the copies' graphs go with this node
-        return (None, grad_input, *grad_params)
+        grad_input = ctx.runner.backward(ctx.pieces, ctx.outputs, grad_output)
+        ctx.pieces = ctx.outputs = None  # the copies' graphs go with this node
+        return None, grad_input
 
 
 def bind(original, block, args, kwargs) -> dict:
@@ -215,5 +203,4 @@ def run_copies(block, original, copies: int, args, kwargs, split: Split):
     if not torch.is_grad_enabled():
         _, outputs = runner.forward(hidden, grad=False)
         return torch.cat(outputs, dim=1), runner
-    params = [p for p in block.parameters() if p.requires_grad]
-    return CopiesThroughBlock.apply(runner, hidden, *params), runner
+    return CopiesThroughBlock.apply(runner, hidden), runner

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 import sys
 
@@ -47,19 +48,20 @@ def uninstall() -> None:
 
 
 def _patch_collectives() -> None:
-    originals = {}
+    wrappers = {}  # what a Megatron alias may hold (the torch function, or an instrumentation of it) -> ours
     for name in collectives.COLLECTIVES:
         original = getattr(dist, name, None)
         if original is not None:
-            originals[original] = collectives.wrap(original)
-            _patch(dist, name, originals[original])
+            wrapper = collectives.wrap(original)
+            wrappers[original] = wrappers[inspect.unwrap(original)] = wrapper
+            _patch(dist, name, wrapper)
     _patch(dist, "batch_isend_irecv", collectives.wrap_batch(dist.batch_isend_irecv))
     for module_name, names in collectives.MEGATRON_ALIASES.items():
         module = sys.modules.get(module_name) or importlib.import_module(module_name)
         for name in names:
             value = getattr(module, name, None)
-            if value in originals:
-                _patch(module, name, originals[value])
+            if value in wrappers:
+                _patch(module, name, wrappers[value])
 
 
 def _patch_memory_buffer() -> None:

@@ -1,0 +1,105 @@
+"""Multi-copy parallel on a real megatron-core GPT (local spec) on every rank of a gloo pool: the
+same training with and without copies (tests/cp_gpt_cases.train, its model and step), each
+collective every rank issued (op, group, shape, copy) recorded in order, and the routes told.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from coc_inject.multi_copy import install as copies_install, scheduler
+from tests import cp_gpt_cases
+
+RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
+            "_reduce_scatter_base", "all_gather", "all_to_all_single", "batch_isend_irecv", "broadcast")
+
+
+class CollectiveRecorder:
+    """Every collective issued on this rank in order: (op, group ranks, shape, copy). Installed
+    beneath coc-inject's wrappers (and in place of Megatron's import-time aliases), so what it
+    sees is the order collectives reach the network."""
+
+    def __init__(self):
+        self.calls: list = []
+        self._originals: list = []
+
+    def __enter__(self):
+        wrappers = {}
+        for name in RECORDED:
+            original = getattr(dist, name)
+            wrappers[original] = self._recording(name, original)
+            self._set(dist, name, wrappers[original])
+        from megatron.core.tensor_parallel import layers, mappings
+
+        for module in (layers, mappings):
+            for alias in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+                if getattr(module, alias, None) in wrappers:
+                    self._set(module, alias, wrappers[getattr(module, alias)])
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, original in reversed(self._originals):
+            setattr(owner, name, original)
+
+    def _set(self, owner, name, value):
+        self._originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def _recording(self, name, original):
+        parameters = list(inspect.signature(original).parameters)
+
+        def record(*args, **kwargs):
+            bound = dict(zip(parameters, args), **kwargs)
+            group = bound.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else "world"
+            first = next(iter(bound.values()))
+            shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (
+                [tuple(t.shape) for t in first] if isinstance(first, list) and first
+                and isinstance(first[0], torch.Tensor) else None)
+            self.calls.append((name, ranks, shape, scheduler.current_copy()))
+            return original(*args, **kwargs)
+
+        record.__wrapped__ = original  # coc-inject reads the signature through it
+        return record
+
+
+def _cpu_rng_for_recompute() -> None:
+    """Test-only shim: Megatron's recompute saves and restores the "cuda" RNG state; on CPU that is torch's."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, **kwargs):
+    """cp_gpt_cases.train with ``copies`` (1: off) and, with ``chunks``, CoC's chunked linears."""
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+    from megatron.core.transformer import transformer_block
+
+    routes = []
+    if kwargs.get("recompute_granularity"):
+        _cpu_rng_for_recompute()
+    patching.uninstall()
+    copies_install.uninstall()
+    recorder = CollectiveRecorder() if record else None
+    try:
+        if recorder is not None:
+            recorder.__enter__()
+        if chunks is not None:
+            assert patching.install(CocConfig(parallel_num=chunks))
+        if copies > 1:
+            copies_install.install(copies, transformer_block,
+                                   on_route=lambda block, n, reason: routes.append((n, reason)))
+        result = cp_gpt_cases.train(tp, cp, coc, **kwargs)
+    finally:
+        copies_install.uninstall()
+        patching.uninstall()
+        if recorder is not None:
+            recorder.__exit__()
+    result["routes"] = sorted(set(routes), key=repr)
+    result["collectives"] = recorder.calls if recorder is not None else None
+    return result

@@ -1,0 +1,81 @@
+"""Multi-copy parallel (COC_MULTI_COPY) on a real megatron-core GPT, 4 gloo ranks: the same training
+as without copies (losses and parameters after 3 SGD steps within 1e-5 relative, fp32, dropout 0)
+at TP 2 and 4 with and without sequence parallelism, with CoC's chunked linears, with context
+parallelism, with recompute; every collective in the same order on every rank; the calls copies
+cannot run exactly run Megatron's block with the reason."""
+
+import pytest
+
+from tests.dist_harness import RankPool
+from tests.scope import newest_only
+from tests.test_cp_gpt import assert_same_training
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+_references: dict = {}
+
+
+def reference(pool, **kwargs):
+    key = repr(sorted(kwargs.items()))
+    if key not in _references:
+        _references[key] = pool.run("tests.multi_copy_cases:train", copies=1, **kwargs)
+    return _references[key]
+
+
+def run(pool, want_routes=((2, None),), copies=2, **kwargs):
+    got = pool.run("tests.multi_copy_cases:train", copies=copies, **kwargs)
+    assert all(r["routes"] == [tuple(route) for route in want_routes] for r in got), [r["routes"] for r in got]
+    options = {k: v for k, v in kwargs.items() if k not in ("chunks", "record")}
+    assert_same_training(got, reference(pool, **options))
+    return got
+
+
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+def test_copies_train_like_no_copies(pool, tp, sp):
+    run(pool, tp=tp, sp=sp, b=4)
+
+
+@newest_only
+def test_with_coc_chunked_linears(pool):
+    run(pool, tp=2, sp=True, b=4, chunks=4)
+
+
+@newest_only
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_with_recompute(pool, granularity):
+    extra = {"recompute_method": "uniform", "recompute_num_layers": 1} if granularity == "full" else {}
+    run(pool, tp=2, sp=True, b=4, recompute_granularity=granularity, **extra)
+
+
+@newest_only
+def test_with_context_parallel_ring(pool):
+    run(pool, tp=2, cp=2, coc={"cp_algo": "ring"}, sp=True, b=4)
+
+
+def test_every_rank_issues_the_same_collectives_in_the_same_order(pool):
+    got = run(pool, tp=4, sp=True, b=4, record=True, steps=1)
+    first = got[0]["collectives"]
+    copies = [call[3] for call in first if call[3] is not None]
+    assert copies.count(0) > 8 and copies.count(1) == copies.count(0), first  # both copies communicate
+    for rank, result in enumerate(got[1:], start=1):
+        assert result["collectives"] == first, f"rank {rank} issued its collectives in another order"
+
+
+@newest_only
+@pytest.mark.parametrize("b,reason", [(1, "micro-batch 1 is not divisible by 2 copies"),
+                                      (3, "micro-batch 3 is not divisible by 2 copies")])
+def test_a_micro_batch_copies_cannot_split_runs_megatrons_block(pool, b, reason):
+    run(pool, want_routes=[(1, reason)], tp=2, sp=True, b=b)
+
+
+@newest_only
+def test_dropout_runs_megatrons_block_with_the_reason(pool):
+    got = pool.run("tests.multi_copy_cases:train", copies=2, tp=2, b=4, steps=1, hidden_dropout=0.1)
+    assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "dropout > 0" in r["routes"][0][1]
+               for r in got), [r["routes"] for r in got]
