@@ -79,3 +79,4 @@ def test_dropout_runs_megatrons_block_with_the_reason(pool):
     got = pool.run("tests.multi_copy_cases:train", copies=2, tp=2, b=4, steps=1, hidden_dropout=0.1)
     assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "dropout > 0" in r["routes"][0][1]
                for r in got), [r["routes"] for r in got]
+

@@ -36,6 +36,7 @@ def install(copies: int, transformer_block_module, on_route=None) -> None:
     _state.update(copies=copies, on_route=on_route)
     _patch_collectives()
     _patch_memory_buffer()
+    _patch_grad_ready()
     cls = transformer_block_module.TransformerBlock
     _patch(cls, "forward", _copies_forward(cls.__dict__["forward"]))
 
@@ -79,6 +80,29 @@ def _patch_memory_buffer() -> None:
         return original(self, tensor_shape, dtype, name if copy is None else f"{name}@copy{copy}", *args, **kwargs)
 
     _patch(cls, "get_tensor", get_tensor)
+
+
+def _patch_grad_ready() -> None:
+    """Megatron's DDP with overlap_grad_reduce counts a parameter's gradient ready once per
+    micro-batch ("Cannot set grad twice"); with copies it accumulates once per copy: the bucket
+    hears of it at the last copy's, when the whole gradient is in."""
+    try:
+        from megatron.core.distributed import param_and_grad_buffer
+    except ImportError:
+        return
+    cls = getattr(param_and_grad_buffer, "_ParamAndGradBucketGroup", None)
+    if cls is None or "register_grad_ready" not in cls.__dict__:
+        return
+    original = cls.__dict__["register_grad_ready"]
+
+    @functools.wraps(original)
+    def register_grad_ready(self, param, *args, **kwargs):
+        run = scheduler.current()
+        if run is not None and run.count_once(param) < run.n:
+            return None
+        return original(self, param, *args, **kwargs)
+
+    _patch(cls, "register_grad_ready", register_grad_ready)
 
 
 def _copies_forward(original):

@@ -46,6 +46,12 @@ class CopyRun:
         self._cond = threading.Condition()
         self._saved: list = [None] * n
         self.handovers = 0
+        self._counts: dict = {}
+
+    def count_once(self, item) -> int:
+        """How many copies have now reported ``item`` (this one included)."""
+        self._counts[id(item)] = self._counts.get(id(item), 0) + 1
+        return self._counts[id(item)]
 
     # -- inside a copy ------------------------------------------------------------------------
 

@@ -1,0 +1,92 @@
+"""The baton of multi-copy parallel on its own: copies run one at a time and hand over where they
+would wait, in a fixed order; a failing copy stops the others; Megatron's DDP hears of a
+parameter's gradient once per micro-batch although each copy accumulates it."""
+
+import threading
+import types
+
+import pytest
+import torch
+
+from coc_inject.multi_copy import install, scheduler
+
+
+def test_copies_alternate_at_their_hand_overs_and_never_run_together():
+    trace, running = [], []
+
+    def copy(index, steps):
+        def work():
+            run = scheduler.current()
+            for step in range(steps):
+                running.append(index)
+                assert len(running) == 1, "two copies ran at once"
+                trace.append((index, step))
+                running.pop()
+                run.hand_over()
+            return index * 10
+        return work
+
+    run = scheduler.CopyRun(2)
+    assert run.run([copy(0, 3), copy(1, 2)]) == [0, 10]
+    assert trace == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+
+
+def test_a_failing_copy_stops_the_other_and_its_error_reaches_the_caller():
+    def fails():
+        scheduler.current().hand_over()
+        raise ValueError("copy 0 broke")
+
+    def waits_forever():
+        while True:
+            scheduler.current().hand_over()
+
+    with pytest.raises(ValueError, match="copy 0 broke"):
+        scheduler.CopyRun(2).run([fails, waits_forever])
+    assert not [t for t in threading.enumerate() if t.name.startswith("coc-copy-")]
+
+
+def test_copies_see_their_own_rng_state_and_the_caller_goes_on_from_copy_0s():
+    from coc_inject.multi_copy import rng
+
+    torch.manual_seed(0)
+    start = torch.get_rng_state()
+
+    def draw():
+        first = torch.rand(1)
+        scheduler.current().hand_over()
+        return first, torch.rand(1)
+
+    run = scheduler.CopyRun(2, save=rng.save, restore=rng.restore)
+    (a0, a1), (b0, b1) = run.run([draw, draw])
+    after = torch.get_rng_state()
+    torch.set_rng_state(start)
+    want = torch.rand(2)
+    assert (a0.item(), a1.item()) == tuple(want.tolist()) == (b0.item(), b1.item())
+    assert torch.equal(after, torch.get_rng_state())
+
+
+def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monkeypatch):
+    """Megatron's DDP (overlap_grad_reduce) asserts "Cannot set grad twice" (0.13-0.16) or learns a
+    count per parameter at the first batch (0.17+): either way it must hear of a parameter once per
+    micro-batch, as without copies."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    from megatron.core.transformer import transformer_block
+
+    heard = []
+    monkeypatch.setattr(_ParamAndGradBucketGroup, "register_grad_ready",
+                        lambda self, param, *args, **kwargs: heard.append(param))
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    group = object.__new__(_ParamAndGradBucketGroup)
+
+    def copy():
+        for param in params:
+            group.register_grad_ready(param)
+            scheduler.current().hand_over()
+
+    install.install(2, transformer_block)
+    try:
+        scheduler.CopyRun(2).run([copy, copy])
+        group.register_grad_ready(params[0])  # outside copies: passed on as it is
+    finally:
+        install.uninstall()
+    assert heard == [params[0], params[1], params[0]]
