@@ -90,3 +90,17 @@ def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monk
     finally:
         install.uninstall()
     assert heard == [params[0], params[1], params[0]]
+
+
+def test_copies_run_under_their_callers_grad_mode_and_saved_tensor_hooks():
+    packed = []
+    x = torch.ones(3, requires_grad=True)
+
+    def work():
+        return (x * x).requires_grad, torch.is_grad_enabled()
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+        assert scheduler.CopyRun(2).run([work, work]) == [(True, True)] * 2
+    assert len(packed) == 4  # x twice per copy: the pack hook ran inside the copies
+    with torch.no_grad():
+        assert scheduler.CopyRun(2).run([work, work]) == [(False, False)] * 2

@@ -88,13 +88,13 @@ class CopyRun:
     def run(self, work: Sequence[Callable[[], object]]) -> list:
         assert len(work) == self.n
         results: list = [None] * self.n
-        parent_grad = _thread_state()
+        context = ThreadContext()
         first_state = self._save() if self._save is not None else None
         self._saved = [first_state] * self.n
 
         def body(index: int) -> None:
             _current.run, _current.index = self, index
-            _apply_thread_state(parent_grad)
+            context.enter()
             try:
                 with self._cond:
                     self._cond.wait_for(lambda: self._turn == index or self._failed is not None)
@@ -119,6 +119,7 @@ class CopyRun:
                     if nxt != index:
                         self._turn = nxt
                     self._cond.notify_all()
+                context.exit()
                 _current.run = _current.index = None
 
         threads = [threading.Thread(target=body, args=(i,), name=f"coc-copy-{i}", daemon=True) for i in range(self.n)]
@@ -133,13 +134,38 @@ class CopyRun:
         return results
 
 
-def _thread_state():
-    import torch
+class ThreadContext:
+    """What torch keeps per thread and a copy must see as its caller does: grad mode, the
+    saved-tensor hooks (activation offloading, memory accounting), autocast, the CUDA device and
+    stream (a new thread would start on device 0's default stream)."""
 
-    return torch.is_grad_enabled()
+    def __init__(self):
+        import torch
 
+        self.grad = torch.is_grad_enabled()
+        self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.autocast = {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                         for device in ("cpu", "cuda")}
+        self.cuda = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
 
-def _apply_thread_state(grad_enabled) -> None:
-    import torch
+    def enter(self) -> None:
+        import torch
 
-    torch.set_grad_enabled(grad_enabled)
+        torch.set_grad_enabled(self.grad)
+        if self.hooks is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(*self.hooks)
+        for device, (enabled, dtype) in self.autocast.items():
+            if enabled:
+                torch.set_autocast_enabled(device, True)
+                torch.set_autocast_dtype(device, dtype)
+        if self.cuda is not None:
+            torch.cuda.set_device(self.cuda[0])
+            torch.cuda.set_stream(self.cuda[1])
+
+    def exit(self) -> None:
+        import torch
+
+        if self.hooks is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
