@@ -74,7 +74,7 @@ def _cpu_rng_for_recompute() -> None:
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
-def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, **kwargs):
+def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None, **kwargs):
     """cp_gpt_cases.train with ``copies`` (1: off) and, with ``chunks``, CoC's chunked linears."""
     from coc_inject import patching
     from coc_inject.config import CocConfig
@@ -91,8 +91,8 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, **kwargs):
             recorder.__enter__()
         if chunks is not None:
             assert patching.install(CocConfig(parallel_num=chunks))
-        if copies > 1:
-            copies_install.install(copies, transformer_block,
+        if copies != 1:
+            copies_install.install(copies, transformer_block, tuner=tuner,
                                    on_route=lambda block, n, reason: routes.append((n, reason)))
         result = cp_gpt_cases.train(tp, cp, coc, **kwargs)
     finally:
@@ -102,4 +102,35 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, **kwargs):
             recorder.__exit__()
     result["routes"] = sorted(set(routes), key=repr)
     result["collectives"] = recorder.calls if recorder is not None else None
+    return result
+
+
+
+def skewed_tuner(delay):
+    """A tuner whose trials with copies take ``delay`` seconds longer on this rank (a real delay)."""
+    import time
+
+    from coc_inject.config import CocConfig
+    from coc_inject.tuning import Tuner
+
+    tuner = Tuner(CocConfig(), None)
+    decide = tuner.decide
+
+    def skewed(key, group, device, candidates, baseline, run, group_name="TP"):
+        def trial(choice):
+            run(choice)
+            if delay and choice != baseline:
+                time.sleep(delay)
+        return decide(key, group, device, candidates, baseline, trial, group_name)
+
+    tuner.decide = skewed
+    return tuner
+
+
+def train_auto(skew=None, **kwargs):
+    """train() with COC_MULTI_COPY=auto; ``skew`` {rank: seconds} slows that rank's trials with copies."""
+    tuner = skewed_tuner((skew or {}).get(dist.get_rank()))
+    result = train(copies="auto", tuner=tuner, **kwargs)
+    result["decisions"] = [{"key": key.text(), "choice": d.choice, "source": d.source}
+                           for key, d in tuner.decisions.items()]
     return result

@@ -80,3 +80,29 @@ def test_dropout_runs_megatrons_block_with_the_reason(pool):
     assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "dropout > 0" in r["routes"][0][1]
                for r in got), [r["routes"] for r in got]
 
+
+
+def train_auto(pool, **kwargs):
+    got = pool.run("tests.multi_copy_cases:train_auto", **kwargs)
+    decisions = [r["decisions"] for r in got]
+    assert all(len(d) == 1 and d[0]["source"] == "trials" for d in decisions), decisions
+    for group in ((0, 1), (2, 3)):  # the TP groups (DP 2): one decision on every rank of a group
+        assert len({decisions[rank][0]["choice"] for rank in group}) == 1, decisions
+    assert_same_training(got, reference(pool, tp=2, sp=True, b=4))
+    return got
+
+
+@newest_only
+def test_auto_decides_at_the_first_step_alike_on_every_rank_and_trains_like_no_copies(pool):
+    got = train_auto(pool, tp=2, sp=True, b=4)
+    for result in got:
+        choice = result["decisions"][0]["choice"]
+        want = [(2, None)] if choice == 2 else [(1, "auto: no copies were faster for this shape")]
+        assert result["routes"] == want, result["routes"]
+
+
+@newest_only
+def test_auto_with_one_ranks_copies_slowed_steps_aside_on_every_rank(pool):
+    got = train_auto(pool, tp=2, sp=True, b=4, skew={1: 0.5, 2: 0.5})  # one rank of each TP group
+    assert all(r["decisions"][0]["choice"] == 1 for r in got), [r["decisions"] for r in got]
+    assert all(r["routes"] == [(1, "auto: no copies were faster for this shape")] for r in got)

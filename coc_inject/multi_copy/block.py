@@ -13,6 +13,7 @@ A call that copies cannot run exactly runs Megatron's block with a reason (:func
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -144,18 +145,27 @@ class CopiesRunner:
                 block.input_tensor = held_input
         return pieces, outputs
 
-    def backward(self, pieces, outputs, grad_output):
-        """Each copy's backward (parameters' gradients accumulate as they do without copies, as in
-        Megatron's recompute, whose reentrant backward needs a plain ``backward``); the input's gradient."""
+    def backward(self, pieces, outputs, grad_output, params=()):
+        """Each copy's backward and the input's gradient. Without ``params`` the parameters' gradients
+        accumulate as they do without copies (a plain ``backward``, as Megatron's reentrant recompute
+        needs); with them (auto's trials) they are returned, summed over the copies, and nothing is
+        accumulated."""
         grads = _pieces(grad_output, 1, self.split.sizes)
 
         def copy(index):
             def run():
+                if params:
+                    return torch.autograd.grad(outputs[index], [pieces[index], *params], grads[index].contiguous(),
+                                               allow_unused=True)
                 torch.autograd.backward(outputs[index], grads[index].contiguous())
+                return (pieces[index].grad,)
             return run
 
-        self._turns([copy(i) for i in range(self.split.copies)], threaded=self.threaded_backward)
-        return torch.cat([piece.grad if piece.grad is not None else torch.zeros_like(piece) for piece in pieces], dim=1)
+        results = self._turns([copy(i) for i in range(self.split.copies)], threaded=self.threaded_backward)
+        grad_input = torch.cat([r[0] if r[0] is not None else torch.zeros_like(p) for r, p in zip(results, pieces)],
+                               dim=1)
+        grad_params = [_sum([r[1 + i] for r in results if r[1 + i] is not None]) for i in range(len(params))]
+        return grad_input, grad_params
 
     def _turns(self, work, threaded: bool) -> list:
         if not threaded:  # a device's autograd runs its nodes on one engine thread: the copies one after another
@@ -166,20 +176,24 @@ class CopiesRunner:
         return results
 
 
+def _sum(terms):
+    return None if not terms else functools.reduce(torch.add, terms)
+
+
 class CopiesThroughBlock(torch.autograd.Function):
     """Block forward as copies in turns; its backward as the copies' backward in turns."""
 
     @staticmethod
-    def forward(ctx, runner, hidden):
+    def forward(ctx, runner, hidden, *params):
         pieces, outputs = runner.forward(hidden, grad=True)
-        ctx.runner, ctx.pieces, ctx.outputs = runner, pieces, outputs
+        ctx.runner, ctx.pieces, ctx.outputs, ctx.params = runner, pieces, outputs, params
         return torch.cat([output.detach() for output in outputs], dim=1)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_input = ctx.runner.backward(ctx.pieces, ctx.outputs, grad_output)
-        ctx.pieces = ctx.outputs = None  # the copies' graphs go with this node
-        return None, grad_input
+        grad_input, grad_params = ctx.runner.backward(ctx.pieces, ctx.outputs, grad_output, ctx.params)
+        ctx.pieces = ctx.outputs = ctx.params = None  # the copies' graphs go with this node
+        return (None, grad_input, *grad_params)
 
 
 def bind(original, block, args, kwargs) -> dict:
@@ -194,8 +208,9 @@ def bind(original, block, args, kwargs) -> dict:
     return arguments
 
 
-def run_copies(block, original, copies: int, args, kwargs, split: Split):
-    """The block call as ``copies`` copies (``split`` from :func:`plan`)."""
+def run_copies(block, original, args, kwargs, split: Split, params_for_grad: bool = False):
+    """The block call as ``split.copies`` copies (``split`` from :func:`plan`). ``params_for_grad``: the
+    parameters are inputs of the autograd node (for ``torch.autograd.grad`` over them: auto's trials)."""
     arguments = bind(original, block, args, kwargs)
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     bound_original = original.__get__(block, type(block))
@@ -203,4 +218,5 @@ def run_copies(block, original, copies: int, args, kwargs, split: Split):
     if not torch.is_grad_enabled():
         _, outputs = runner.forward(hidden, grad=False)
         return torch.cat(outputs, dim=1), runner
-    return CopiesThroughBlock.apply(runner, hidden), runner
+    params = [p for p in block.parameters() if p.requires_grad] if params_for_grad else []
+    return CopiesThroughBlock.apply(runner, hidden, *params), runner

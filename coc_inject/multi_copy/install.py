@@ -16,12 +16,13 @@ import sys
 
 import torch.distributed as dist
 
-from coc_inject.multi_copy import block as copies_block, collectives, scheduler
+from coc_inject.multi_copy import auto, block as copies_block, collectives, scheduler
 
 logger = logging.getLogger("coc_inject.multi_copy")
 
 _originals: dict = {}  # (owner, attribute) -> original
-_state = {"copies": 1, "on_route": None}
+AUTO = "auto"
+_state = {"copies": 1, "on_route": None, "tuner": None}
 
 
 def _patch(owner, name, replacement) -> None:
@@ -29,11 +30,12 @@ def _patch(owner, name, replacement) -> None:
     setattr(owner, name, replacement)
 
 
-def install(copies: int, transformer_block_module, on_route=None) -> None:
-    """Run every TransformerBlock call as ``copies`` copies. ``on_route(block, copies, reason)`` is told
-    each call's route (copies, or 1 with the reason). Idempotent."""
+def install(copies, transformer_block_module, on_route=None, tuner=None) -> None:
+    """Run every TransformerBlock call as ``copies`` copies (an integer >= 2, or AUTO: decided per
+    call shape by ``tuner``). ``on_route(block, copies, reason)`` is told each call's route (the
+    copies, or 1 with the reason). Idempotent."""
     uninstall()
-    _state.update(copies=copies, on_route=on_route)
+    _state.update(copies=copies, on_route=on_route, tuner=tuner)
     _patch_collectives()
     _patch_memory_buffer()
     _patch_grad_ready()
@@ -45,7 +47,7 @@ def uninstall() -> None:
     for (owner, name), original in reversed(list(_originals.items())):
         setattr(owner, name, original)
     _originals.clear()
-    _state.update(copies=1, on_route=None)
+    _state.update(copies=1, on_route=None, tuner=None)
 
 
 def _patch_collectives() -> None:
@@ -108,17 +110,20 @@ def _patch_grad_ready() -> None:
 def _copies_forward(original):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        copies = _state["copies"]
+        copies = 2 if _state["copies"] == AUTO else _state["copies"]
         reason = copies_block.block_reason(self, copies)
         split = None
         if reason is None:
             split = copies_block.plan(self, copies, copies_block.bind(original, self, args, kwargs))
             if isinstance(split, str):
                 reason, split = split, None
-        _tell(self, copies if split else 1, reason)
+        if split is not None and _state["copies"] == AUTO and auto.choose(
+                _state["tuner"], self, original, args, kwargs, split) == 1:
+            split, reason = None, "auto: no copies were faster for this shape"
+        _tell(self, split.copies if split else 1, reason)
         if split is None:
             return original(self, *args, **kwargs)
-        output, _ = copies_block.run_copies(self, original, copies, args, kwargs, split)
+        output, _ = copies_block.run_copies(self, original, args, kwargs, split)
         return output
 
     forward.__coc_multi_copy__ = True

@@ -1,0 +1,97 @@
+"""``COC_MULTI_COPY=auto``: copies or not, per block call shape, decided at its first call and the
+same on every rank of the block's tensor- and context-parallel group.
+
+The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: the block
+without copies (the baseline: Megatron's forward) and with 2 copies, forward and backward on a
+detached copy of this call's input, gradients taken with ``torch.autograd.grad`` so that no
+parameter gradient (and no DDP hook) is touched; timings MAX-reduced over the group; copies win
+only beyond the noise, so auto is never slower than off by more than the noise. Megatron's
+recompute cannot run under ``autograd.grad``: with recompute on, the trials time the forward only
+(the decision says so). Decisions are cached in ``COC_TUNE_CACHE`` with the hardware identity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from coc_inject.multi_copy import block as copies_block
+
+BASELINE = 1
+CANDIDATES = (1, 2)
+
+
+@dataclass(frozen=True)
+class CopiesKey:
+    seq: int  # this rank's rows of the hidden states (after SP / CP)
+    batch: int
+    hidden: int
+    layers: int
+    dtype: str
+    tp: int
+    cp: int
+    sequence_parallel: bool
+    device: str
+    backward: bool
+
+    def text(self) -> str:
+        return (f"block [{self.seq}, {self.batch}, {self.hidden}] x {self.layers} layers {self.dtype} TP{self.tp}"
+                + (f" CP{self.cp}" if self.cp > 1 else "") + (" SP" if self.sequence_parallel else "")
+                + f" {self.device}" + ("" if self.backward else " forward-only"))
+
+    def cache_fields(self) -> list:
+        return ["multi-copy", self.seq, self.batch, self.hidden, self.layers, self.dtype, self.tp, self.cp,
+                self.sequence_parallel, self.device, self.backward]
+
+    def name(self, choice) -> str:
+        return "no copies (Megatron's block)" if choice == 1 else f"{choice} copies"
+
+
+def group_of(block):
+    """The group whose collectives the block runs: tensor x context parallel."""
+    from megatron.core import parallel_state
+
+    getter = getattr(parallel_state, "get_tensor_and_context_parallel_group", None)
+    if getter is not None:
+        return getter()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def choose(tuner, block, original, args, kwargs, split) -> int:
+    """1 or ``split.copies`` for this call (trials at the first call of its shape)."""
+    arguments = copies_block.bind(original, block, args, kwargs)
+    hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
+    config = block.config
+    recompute = getattr(config, "recompute_granularity", None) is not None
+    backward = torch.is_grad_enabled() and hidden.requires_grad and not recompute
+    key = CopiesKey(hidden.shape[0], hidden.shape[1], hidden.shape[2], len(block.layers),
+                    str(hidden.dtype).replace("torch.", ""), config.tensor_model_parallel_size,
+                    getattr(config, "context_parallel_size", 1), bool(config.sequence_parallel),
+                    hidden.device.type, backward)
+    params = [p for p in block.parameters() if p.requires_grad]
+
+    def trial(copies):
+        probe = hidden.detach().clone().requires_grad_(backward)
+        trial_args, trial_kwargs = _with_hidden(block, original, args, kwargs, probe)
+        held = getattr(block, "input_tensor", None)
+        with torch.enable_grad() if backward else torch.no_grad():
+            if copies == 1:
+                if not block.pre_process:
+                    block.input_tensor = probe
+                out = original(block, *trial_args, **trial_kwargs)
+                block.input_tensor = held
+            else:
+                out, _ = copies_block.run_copies(block, original, trial_args, trial_kwargs,
+                                                 replace(split, copies=copies), params_for_grad=True)
+            if backward:
+                torch.autograd.grad(out, [probe] + params, torch.ones_like(out), allow_unused=True)
+
+    return tuner.decide(key, group_of(block), hidden.device, [1, split.copies], BASELINE, trial, group_name="TPxCP")
+
+
+def _with_hidden(block, original, args, kwargs, probe):
+    arguments = copies_block.bind(original, block, args, kwargs)
+    if block.pre_process:
+        arguments["hidden_states"] = probe
+    return (), arguments
