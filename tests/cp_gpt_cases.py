@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
 from coc_inject.bench.saved import SavedBytes
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import groups, install, layout
@@ -22,16 +23,6 @@ from tests.dist_harness import reinitialize_model_parallel
 
 SEED = 1234
 _parallel_state_key = None  # what initialize_model_parallel last ran with (making groups takes seconds)
-
-
-class CpuLayerNorm(torch.nn.LayerNorm):
-    """apex's FusedLayerNorm stand-in that flags its parameters for sequence parallelism (as the example)."""
-
-    def __init__(self, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
-                 normalization="LayerNorm"):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
-        for param in (self.weight, self.bias):
-            param.sequence_parallel = config.sequence_parallel
 
 
 def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):

@@ -1,0 +1,185 @@
+"""A whole Transformer layer forward + backward, TP over the local ranks with sequence parallelism:
+Megatron as it is, CoC's chunked linears, multi-copy parallel, and both -- and how much of the
+communication each leaves exposed.
+
+Exposed communication = a variant's time minus the compute-only time (the same layer with every
+collective replaced by a no-op that zero-fills its output: what the layer would take on an
+infinitely fast network). Megatron's own time minus the compute-only time is the communication
+a perfect overlap would hide; each variant's "hidden" share is measured against it. Variants
+interleaved, rotating, medians of ``--reps`` (rank 0's view; a barrier before each run).
+
+    python -m coc_inject.bench.whole_layer [--link 1gbit] [--reps 15] [--chunks auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+
+VARIANTS = ("megatron", "coc", "copies", "coc+copies", "compute-only")
+
+
+class _Done:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+@contextmanager
+def no_collectives():
+    """Every collective a no-op that zero-fills its output (compute-only timing)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers, mappings
+
+    def output_zeroed(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
+        output = args[0] if args else next(iter(kwargs.values()))
+        for tensor in output if isinstance(output, list) else [output]:
+            tensor.zero_()
+        return _Done() if async_op else None
+
+    def in_place(*args, async_op=False, **kwargs):  # all_reduce: the tensor already holds a result
+        return _Done() if async_op else None
+
+    names = ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
+             "all_gather")
+    saved = [(dist, "all_reduce", dist.all_reduce)] + [(dist, name, getattr(dist, name)) for name in names]
+    saved += [(module, alias, getattr(module, alias)) for module in (layers, mappings)
+              for alias in ("dist_all_gather_func", "dist_reduce_scatter_func")]
+    for owner, name, _ in saved:
+        setattr(owner, name, in_place if name == "all_reduce" else output_zeroed)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def build_block(args):
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
+
+    torch.manual_seed(1234)
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tp = torch.distributed.get_world_size()
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
+        tensor_model_parallel_size=tp, sequence_parallel=True, params_dtype=torch.float32,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
+    block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * args.layers,
+                                                                layer_norm=CpuLayerNorm))
+    hidden = torch.randn(args.seq // tp, args.batch, args.hidden)
+    mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1)
+    return block, hidden, mask
+
+
+def rank_work(args, device) -> dict | None:
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer import transformer_block
+
+    from coc_inject import patching
+    from coc_inject.config import CocConfig
+    from coc_inject.multi_copy import install as copies
+
+    block, hidden, mask = build_block(args)
+
+    def step():
+        x = hidden.clone().requires_grad_(True)
+        out = block(x, mask)
+        out.backward(torch.ones_like(out))
+
+    @contextmanager
+    def variant(name):
+        patching.uninstall()
+        copies.uninstall()
+        if "coc" in name:
+            patching.install(CocConfig(parallel_num=args.chunks, tune_cache=tune_cache))
+        if "copies" in name:
+            copies.install(2, transformer_block)
+        try:
+            with no_collectives() if name == "compute-only" else _nothing():
+                yield
+        finally:
+            copies.uninstall()
+            patching.uninstall()
+
+    times = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory() as scratch:
+        tune_cache = f"{scratch}/tune.json"
+        for name in VARIANTS:  # warm-up: and CoC auto's trials, decided once, kept by the cache
+            with variant(name):
+                step()
+        for rep in range(args.reps):
+            shift = rep % len(VARIANTS)
+            for name in VARIANTS[shift:] + VARIANTS[:shift]:
+                with variant(name):
+                    dist.barrier()
+                    began = time.perf_counter()
+                    step()
+                    times[name].append(time.perf_counter() - began)
+    slowest = torch.tensor([times[name] for name in VARIANTS], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if dist.get_rank() != 0:
+        return None
+    medians = {name: 1e3 * statistics.median(row) for name, row in zip(VARIANTS, slowest.tolist())}
+    compute = medians["compute-only"]
+    exposed_megatron = medians["megatron"] - compute
+    rows = {}
+    for name in VARIANTS[:-1]:
+        exposed = medians[name] - compute
+        rows[name] = {"ms": medians[name], "exposed_ms": exposed, "speedup": medians["megatron"] / medians[name],
+                      "hidden_share": 1 - exposed / exposed_megatron if exposed_megatron > 0 else None}
+    return {"compute_only_ms": compute, "rows": rows}
+
+
+@contextmanager
+def _nothing():
+    yield
+
+
+def main(argv=None) -> int:
+    from coc_inject.bench.run import run_local
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link", metavar="RATE")
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--chunks", default="auto", help="COC_PARALLEL_NUM of the CoC variants")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    from coc_inject.config import AUTO
+
+    args.chunks = AUTO if args.chunks == "auto" else int(args.chunks)
+    result = run_local(args, work=rank_work, world=2, command="python -m coc_inject.bench.whole_layer")
+    where = f"emulated {args.link} link" if args.link else "loopback"
+    print(f"one TransformerBlock ({args.layers} layer, seq {args.seq}, batch {args.batch}, hidden {args.hidden}) "
+          f"forward + backward, TP=2 SP, {where}; compute only {result['compute_only_ms']:.1f} ms")
+    for name, row in result["rows"].items():
+        hidden = "" if row["hidden_share"] is None else f", {100 * row['hidden_share']:.0f}% of Megatron's exposed hidden"
+        print(f"  {name:11s} {row['ms']:8.1f} ms  {row['speedup']:.3f}x  exposed communication "
+              f"{row['exposed_ms']:.1f} ms{hidden}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
