@@ -25,6 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from coc_inject.bench import attention, layers, ranks, report, startup
 from coc_inject.bench.link import EmulatedLink, LinkError
 from coc_inject.bench.ranks import Setup
@@ -94,9 +97,6 @@ class LinearRun:
 
 def run_rank(run: LinearRun, device) -> dict | None:
     """Everything one rank measures; rank 0 returns the results."""
-    import torch
-    import torch.distributed as dist
-
     dtype = getattr(torch, run.dtype)
     m, k, n = run.shape
     with tempfile.TemporaryDirectory(prefix="coc-bench-tune-") as scratch:  # auto: a fresh cache per run
