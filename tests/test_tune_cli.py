@@ -18,10 +18,15 @@ from coc_inject.config import AUTO, load_config, parse_customized
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def job_environment(env=None):
+    """This environment without coc-inject's variables, plus ``env``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}, **(env or {})}
+
+
 def tune_json(*argv, env=None):
     """(process, the result ``coc-inject tune --json`` printed)."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "coc_inject", "tune", "--json", *argv], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "tune", "--json", *argv], cwd=ROOT,
+                          env=job_environment(env),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return proc, json.loads(proc.stdout)
@@ -49,7 +54,7 @@ def run_tune_attention(*argv, env=None):
     lines = result["attention"]["shell"]
     if not lines:
         return proc, rows, None
-    job_env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}, **(env or {})}
+    job_env = job_environment(env)
     for line in lines:
         command, *words = line.split()
         for word in words:
