@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 
+from coc_inject.bench.ranks import free_port, run_local_ranks, torchrun_device
+
 CASES = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul", "w8a16_matmul_all_reduce")
 FUSED_CASES = ("matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul")
 
@@ -150,8 +152,6 @@ def main(argv=None) -> int:
     if "RANK" in os.environ:  # under torchrun: this rank's accelerator
         import torch.distributed as dist
 
-        from coc_inject.local_ranks import torchrun_device
-
         device, backend = torchrun_device("COC_SELFTEST_DEVICE")
         args.dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
         dist.init_process_group(backend)
@@ -159,8 +159,6 @@ def main(argv=None) -> int:
         where = f"torchrun, {dist.get_world_size()} ranks on {device.type} ({backend})"
         dist.destroy_process_group()
     else:
-        from coc_inject.local_ranks import free_port, run_local_ranks
-
         args.dtype = args.dtype or "float32"
         try:
             rows = run_local_ranks(_local_rank, 2, free_port(), args)

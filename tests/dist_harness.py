@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import traceback
 
-from coc_inject.local_ranks import free_port, without_coc_variables
+from coc_inject.bench.ranks import free_port, without_coc_variables
 
 
 def _resolve(path: str):

@@ -199,7 +199,7 @@ def test_auto_decides_once_before_the_repetitions_and_they_run_its_n(pool2, tmp_
 def test_local_ranks_start_without_coc_variables_and_the_parent_keeps_its_own(monkeypatch):
     import os
 
-    from coc_inject.local_ranks import without_coc_variables
+    from coc_inject.bench.ranks import without_coc_variables
 
     monkeypatch.setenv("COC_PARALLEL_NUM", "4")
     monkeypatch.setenv("USE_COC_FUSED_KERNEL", "1")

@@ -5,7 +5,6 @@ equivalent COC_CUSTOMIZED; a second run takes them from the cache; argument erro
 import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -13,44 +12,49 @@ from pathlib import Path
 
 import pytest
 
-from coc_inject.bench import tune
+from coc_inject.bench import tune, tune_report
 from coc_inject.config import AUTO, load_config, parse_customized
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW = re.compile(r"^(\S+)\s+(row|row-sp|column-sp|column-bwd)\s+(\[[\d, ]+\])\s+(\d+)\s+(trials|cache)\s+(.*)$")
+
+
+def job_environment(env=None):
+    """This environment without coc-inject's variables, plus ``env``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}, **(env or {})}
+
+
+def tune_json(*argv, env=None):
+    """(process, the result ``coc-inject tune --json`` printed)."""
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "tune", "--json", *argv], cwd=ROOT,
+                          env=job_environment(env),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc, json.loads(proc.stdout)
 
 
 def run_tune(*argv):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}
-    proc = subprocess.run([sys.executable, "-m", "coc_inject", "tune", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    rows = [ROW.match(line).groups() for line in proc.stdout.splitlines() if ROW.match(line)]
-    exports = [line for line in proc.stdout.splitlines() if line.startswith("export COC_CUSTOMIZED=")]
-    assert len(exports) == 1, proc.stdout
-    customized = json.loads(shlex.split(exports[0])[1].split("=", 1)[1])
-    return proc, [(layer, case, json.loads(shape), int(n), source, times.split()) for layer, case, shape, n, source,
-                  times in rows], customized
+    """(process, the linears' rows as (layer, case, shape, N, source, times of N=1 and each candidate),
+    COC_CUSTOMIZED as its printed export line sets it)."""
+    proc, result = tune_json(*argv)
+    linears = result["linears"]
+    export = linears["export"]
+    assert export.startswith("export COC_CUSTOMIZED="), export
+    customized = json.loads(shlex.split(export)[1].split("=", 1)[1])
+    assert customized == linears["customized"]
+    counts = [1, *linears["candidates"]]
+    return proc, [(row["layer"], row["case"], row["shape"], row["chunks"], row["source"],
+                   [row["times_ms"].get(str(c)) for c in counts]) for row in linears["rows"]], customized
 
 
 def run_tune_attention(*argv, env=None):
-    """(process, attention table rows as dicts, the job's environment after the printed fixed-choice
-    export/unset lines, or None where none were printed)."""
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("COC_", "USE_COC_"))}, **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "coc_inject", "tune", *argv], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    rows = []
-    for line in proc.stdout.splitlines():
-        cells = re.split(r"\s{2,}", line)
-        if len(cells) == 6 and cells[1].startswith("attention seq "):
-            times = dict(re.findall(r"([a-z][\w =-]*?) (\d+\.\d+)(?:, |$)", cells[4]))
-            rows.append({"layer": cells[0], "key": cells[1], "choice": cells[2], "source": cells[3],
-                         "times_ms": {name: float(t) for name, t in times.items()}})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(("export COC_CP", "unset COC_CP"))]
+    """(process, attention rows as dicts, the job's environment after the fixed-choice export/unset
+    lines, or None where there are none)."""
+    proc, result = tune_json(*argv, env=env)
+    rows = result["attention"]["rows"]
+    lines = result["attention"]["shell"]
     if not lines:
         return proc, rows, None
-    job_env = dict(env)
+    job_env = job_environment(env)
     for line in lines:
         command, *words = line.split()
         for word in words:
@@ -101,7 +105,7 @@ def test_explicit_shapes_are_cached_printed_and_reused_without_trials(tmp_path):
         chunks, cached_times, _ = entries[(case, *shape)]
         assert (layer, source, n) == ("--shape", "trials", chunks)
         assert [float(t) for t in times[:4]] == pytest.approx([cached_times[c] for c in ("1", "2", "4", "8")],
-                                                              abs=1.1e-3)  # printed to 3 decimals
+                                                              abs=1.1e-3)  # the cache keeps 4 decimals
     assert first.stderr.count("(trials: N=1") == 2  # the engine's own decision lines, rank 0
     # COC_CUSTOMIZED: exactly the tuned [m, k, n] -> the cached N, in a form the config accepts.
     assert customized == {f"[{m}, {k}, {n}]": entries[(case, m, k, n)][0] for case, m, k, n in shapes}
@@ -224,10 +228,28 @@ def test_a_shape_two_cases_decide_differently_is_auto_in_coc_customized():
             {"case": "row-sp", "shape": [64, 32, 32], "chunks": 1},
             {"case": "row-sp", "shape": [64, 16, 32], "chunks": 4},
             {"case": "row-sp", "shape": [64, 16, 32], "chunks": 4}]
-    chosen, conflicts = tune.customized(rows)
+    chosen, conflicts = tune_report.customized(rows)
     assert chosen == {"[64, 32, 32]": "auto", "[64, 16, 32]": 4}
     assert conflicts == {"[64, 32, 32]": [("column-sp", 2), ("row-sp", 1)]}
     assert dict(parse_customized("COC_CUSTOMIZED", json.dumps(chosen))) == {(64, 32, 32): AUTO, (64, 16, 32): 4}
+
+
+def test_the_printed_text_says_what_the_json_says():
+    rows = [{"layer": "linear_fc2", "case": "row", "shape": [32, 64, 64], "chunks": 2, "source": "trials",
+             "times_ms": {"1": 2.5, "2": 1.25, "4": 1.5}, "noise_ms": 0.125, "cached": 1}]
+    linears = {"candidates": [2, 4], "rows": rows, "warnings": ["w1"], "cache": "/c/t.json", "identity": "host h",
+               "customized": {"[32, 64, 64]": 2}, "conflicts": {}, "export": "export COC_CUSTOMIZED=x"}
+    text = tune_report.text({"where": "here", "dtype": "float32", "linears": linears, "attention": None,
+                             "notes": ["n1"]}).splitlines()
+    assert text[0].startswith("coc-inject tune: here, float32; candidates N=1 (Megatron's path), N=2, N=4; ")
+    assert text[1].split() == ["layer", "case", "[m,", "k,", "n]", "N", "source", "N=1", "ms", "N=2", "ms", "N=4",
+                               "ms", "noise", "ms"]
+    assert text[2].split() == ["linear_fc2", "row", "[32,", "64,", "64]", "2", "trials", "2.500", "1.250", "1.500",
+                               "0.125"]
+    assert text[3:] == ["warning: w1", "cache: /c/t.json; identity host h: a COC_PARALLEL_NUM=auto job with this "
+                        "identity, dtype and these shapes takes these decisions without trials",
+                        "COC_CUSTOMIZED, the same choices for a job without auto ([m, k, n] as the engine keys them):",
+                        "export COC_CUSTOMIZED=x", "note: n1"]
 
 
 def _resolve(argv, environ):

@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 
+from coc_inject.bench.ranks import free_port
+
 TARGET_US = 1.0
 
 
@@ -60,7 +62,6 @@ def measure_forward(reps: int, calls: int) -> dict:
 
     from coc_inject import patching
     from coc_inject.config import CocConfig
-    from coc_inject.local_ranks import free_port
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

@@ -30,9 +30,21 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from coc_inject.bench import attention_inputs
+import torch
+import torch.distributed as dist
+
+from coc_inject.bench import attention_inputs, attention_report as report, ranks
+from coc_inject.bench.layers import Timer
+from coc_inject.bench.ranks import Setup
+from coc_inject.bench.saved import SavedBytes
+from coc_inject.config import CocConfig
+from coc_inject.context_parallel import blocks, comm, ring
+from coc_inject.context_parallel.auto import BASELINE, AttentionKey
+from coc_inject.context_parallel.function import ContextParallelAttention
+from coc_inject.tuning import Tuner
 
 CASES = ("attention",)
+WARMUP = 1  # untimed repetitions before the timed ones
 COMPUTE_ONLY, COMM_ONLY = "C", "M"
 SDPA = "sdpa"
 
@@ -80,8 +92,6 @@ class _StepBlocks:
     """Stands in for ring.py's ``blocks`` module: times each kernel step, or skips it (M)."""
 
     def __init__(self, trace: _Trace, run: bool):
-        from coc_inject.context_parallel import blocks
-
         self._real, self._trace, self._run = blocks, trace, run
 
     def _step(self, fn, *args):
@@ -111,8 +121,6 @@ class _TracedPending:
 def _exchange(trace: _Trace, transfer: bool):
     """ring.py's ``exchange``, timed; ``transfer=False`` (C): each receive buffer gets a local copy
     of the matching send (same tensors, real values, no communication)."""
-    from coc_inject.context_parallel import comm
-
     def exchange(group, sends, recvs):
         if not sends and not recvs:  # a step with nothing to pass on: not a transfer
             return comm.exchange(group, sends, recvs)
@@ -128,8 +136,6 @@ def _exchange(trace: _Trace, transfer: bool):
 
 @contextmanager
 def instrumented_ring(trace: _Trace, *, compute: bool = True, transfer: bool = True):
-    from coc_inject.context_parallel import ring
-
     saved = ring.blocks, ring.exchange
     ring.blocks, ring.exchange = _StepBlocks(trace, compute), _exchange(trace, transfer)
     try:
@@ -142,8 +148,6 @@ def instrumented_ring(trace: _Trace, *, compute: bool = True, transfer: bool = T
 
 
 def progress(message: str) -> None:
-    import torch.distributed as dist
-
     if dist.get_rank() == 0:
         sys.stderr.write(f"\r[coc-inject bench attention] {message:<70}")
         sys.stderr.flush()
@@ -151,8 +155,6 @@ def progress(message: str) -> None:
 
 def _call(schedule, inputs, timer, kernel):
     """One timed forward and one timed backward: (forward s, backward s, output)."""
-    from coc_inject.context_parallel.function import ContextParallelAttention
-
     q, k, v, dout = inputs
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out, forward = timer(lambda: ContextParallelAttention.apply(*leaves, schedule, kernel))
@@ -163,8 +165,6 @@ def _call(schedule, inputs, timer, kernel):
 def _traced_call(schedule, inputs, timer, kernel, *, compute=True, transfer=True):
     trace = _Trace()
     with instrumented_ring(trace, compute=compute, transfer=transfer):
-        from coc_inject.context_parallel.function import ContextParallelAttention
-
         q, k, v, dout = inputs
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out, forward = timer(lambda: ContextParallelAttention.apply(*leaves, schedule, kernel))
@@ -192,9 +192,6 @@ def _steps(trace: _Trace) -> dict:
 def saved_bytes(schedule, inputs, kernel) -> tuple:
     """(bytes kept for backward by one call -- distinct storages through saved_tensors_hooks --,
     the output) ; backward still runs, so every rank's transfers pair up."""
-    from coc_inject.bench.saved import SavedBytes
-    from coc_inject.context_parallel.function import ContextParallelAttention
-
     q, k, v, dout = inputs
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     with SavedBytes() as saved:
@@ -206,14 +203,10 @@ def saved_bytes(schedule, inputs, kernel) -> tuple:
 def timeline(schedule, inputs, timer, kernel) -> list:
     """Kernel steps and transfers of one real (overlapped) ring call, forward then backward,
     ms since the forward began (rank 0's host clock)."""
-    import torch.distributed as dist
-
     trace = _Trace()
     dist.barrier()
     begin = time.perf_counter()
     with instrumented_ring(trace):
-        from coc_inject.context_parallel.function import ContextParallelAttention
-
         q, k, v, dout = inputs
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out = ContextParallelAttention.apply(*leaves, schedule, kernel)
@@ -234,10 +227,6 @@ AUTO = "auto"
 def _auto_choice(schedules, variants, inputs, timer, args, cp, device) -> str:
     """COC_CP_ALGO=auto's decision for this shape, made by the engine's own tuner (trials forward
     and backward, MAX over the ranks, the noise rule against ring); no cache: decided afresh."""
-    from coc_inject.config import CocConfig
-    from coc_inject.context_parallel.auto import BASELINE, AttentionKey
-    from coc_inject.tuning import Tuner
-
     kernel = attention_inputs.kernels(args)[None]
     key = AttentionKey(args.seq, args.batch, args.heads, args.kv_groups, args.head_dim, args.dtype, True, cp, 1,
                        device.type, True, kernel.name)
@@ -248,11 +237,6 @@ def _auto_choice(schedules, variants, inputs, timer, args, cp, device) -> str:
 
 def run_rank(args, device) -> dict | None:
     """Everything one rank measures at CP = world size; rank 0 returns the raw results."""
-    import torch
-    import torch.distributed as dist
-
-    from coc_inject.bench.layers import Timer
-
     cp, rank = dist.get_world_size(), dist.get_rank()
     variants = variants_for(cp, args.heads, args.kv_groups)
     if args.kernel == "both":
@@ -283,9 +267,9 @@ def run_rank(args, device) -> dict | None:
     runs += [(v.name, kind) for v in ring_variants for kind in (COMPUTE_ONLY, COMM_ONLY)]
     times = {f"{name}:{kind}" if kind else name: {"forward": [], "backward": []} for name, kind in runs}
     steps = {f"{v.name}:{kind}": [] for v in ring_variants for kind in (COMPUTE_ONLY, COMM_ONLY)}
-    for rep in range(args.warmup + args.reps):
-        timed = rep >= args.warmup
-        progress(f"CP={cp}: repetition {rep + 1 - args.warmup}/{args.reps}" if timed else f"CP={cp}: warm-up")
+    for rep in range(WARMUP + args.reps):
+        timed = rep >= WARMUP
+        progress(f"CP={cp}: repetition {rep + 1 - WARMUP}/{args.reps}" if timed else f"CP={cp}: warm-up")
         shift = rep % len(runs)
         for name, kind in runs[shift:] + runs[:shift]:
             label = f"{name}:{kind}" if kind else name
@@ -345,23 +329,17 @@ def _bad(message: str):
 
 def bench(args) -> int:
     """Measure every CP size, print the table and the targets, write attention.json / .png."""
-    import os
-
-    from coc_inject.bench import attention_report as report
-    from coc_inject.bench.run import describe_where, run_local
-
-    if "RANK" in os.environ:
+    if ranks.under_torchrun():
         print("coc-inject bench: --cases attention runs on local CPU ranks (gloo) only, not under torchrun",
               file=sys.stderr)
         return 2
     sizes = cp_sizes(args)
-    args.warmup = 1
     started = time.time()
-    results = [run_local(args, work=run_rank, world=cp, command="coc-inject bench --cases attention",
-                         megatron=False)
+    results = [ranks.run_local(Setup(world=cp, link=args.link, threads=args.threads, megatron=False,
+                                     command="coc-inject bench --cases attention"), run_rank, args)
                for cp in sizes]
     summary = report.summarize(results)
-    where = describe_where(args).replace("2 local CPU ranks", "one local CPU rank per CP rank")
+    where = ranks.describe_where(Setup(link=args.link, threads=args.threads), ranks="one local CPU rank per CP rank")
     title = (f"coc-inject bench attention: {where}; seq {args.seq}, batch {args.batch}, {args.heads} heads "
              f"({args.kv_groups} kv groups) x {args.head_dim}, {args.dtype}, causal, kernel {results[0]['kernel']}; "
              f"{args.reps} interleaved repetitions")

@@ -8,14 +8,19 @@ from __future__ import annotations
 import math
 import time
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from coc_inject import attention_kernels
+from coc_inject.attention_kernels import reference
+from coc_inject.context_parallel import layout
+from coc_inject.context_parallel.schedule import make_schedule
+
 
 def schedules(cp: int, variants: list, dim: int) -> dict:
     """One schedule per variant over the whole world (= the CP group). Every rank creates every
     group in the same order (new_group is collective), hybrid's Ulysses pairs included."""
-    import torch.distributed as dist
-
-    from coc_inject.context_parallel.schedule import make_schedule
-
     cp_group = dist.new_group(list(range(cp)))
     rank = dist.get_rank()
     pairs = {}
@@ -31,8 +36,6 @@ def schedules(cp: int, variants: list, dim: int) -> dict:
 
 def whole_inputs(args):
     """q, k, v, dout of the whole sequence ([s, b, heads|groups, d], --dtype)."""
-    import torch
-
     generator = torch.Generator().manual_seed(1234)
     shapes = [(args.seq, args.batch, n, args.head_dim) for n in (args.heads, args.kv_groups, args.kv_groups,
                                                                  args.heads)]
@@ -41,19 +44,12 @@ def whole_inputs(args):
 
 def local_inputs(args, cp: int, rank: int):
     """This rank's q, k, v, dout rows ([s/cp, b, heads|groups, d]), Megatron's layout."""
-    from coc_inject.context_parallel import layout
-
     rows = layout.global_positions(layout.rank_chunks(rank, cp), args.seq // (2 * cp))
     return [t[rows].contiguous() for t in whole_inputs(args)]
 
 
 def kernels(args) -> dict:
     """{None: the --kernel block kernel, "reference": the reference} (the fused one of this device)."""
-    import torch
-
-    from coc_inject import attention_kernels
-    from coc_inject.attention_kernels import reference
-
     primary = reference.KERNEL if args.kernel == "reference" else attention_kernels.choose(
         attention_kernels.FUSED, "cpu", getattr(torch, args.dtype), args.head_dim).kernel
     return {None: primary, "reference": reference.KERNEL}
@@ -62,8 +58,6 @@ def kernels(args) -> dict:
 def sdpa(whole) -> tuple:
     """The yardstick in this process: scaled_dot_product_attention on the whole sequence (causal),
     forward and backward; returns (forward s, backward s)."""
-    import torch.nn.functional as F
-
     q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
     dout = whole[3].permute(1, 2, 0, 3)
     began = time.perf_counter()
@@ -76,8 +70,6 @@ def sdpa(whole) -> tuple:
 def sdpa_call(whole):
     """The yardstick on rank 0 (sdpa), timed alone -- the Timer's barrier would wait for the other
     ranks, which wait at a barrier instead (and report zeros)."""
-    import torch.distributed as dist
-
     dist.barrier()
     times = sdpa(whole) if dist.get_rank() == 0 else (0.0, 0.0)
     dist.barrier()

@@ -18,11 +18,20 @@ Writes ``flash.json`` under ``--out`` and prints the table with the targets.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from coc_inject.attention_kernels import cpu, reference
+from coc_inject.bench import attention as bench_attention, attention_inputs, ranks
+from coc_inject.bench.ranks import Setup
+from coc_inject.context_parallel.function import ContextParallelAttention
 
 BLOCK = (1, 8, 1024, 64)
 SEQS = (4096, 8192)
@@ -38,10 +47,6 @@ def _fwd_bwd(kernel, q, k, v, dout):
 
 
 def block_kernels(reps: int) -> dict:
-    import torch
-
-    from coc_inject.attention_kernels import cpu, reference
-
     torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(BLOCK, generator=generator) for _ in range(4))
@@ -69,8 +74,6 @@ def block_kernels(reps: int) -> dict:
 def _malloc_returns_memory() -> None:
     """glibc: tensors over 64 KiB in their own mappings, unmapped when freed, so that the resident
     size follows the live tensors (by default freed memory stays resident and a peak is hidden)."""
-    import ctypes
-
     libc = ctypes.CDLL("libc.so.6")
     m_trim_threshold, m_mmap_threshold = -1, -3
     libc.mallopt(m_mmap_threshold, 64 * 1024)
@@ -103,16 +106,8 @@ def _peak_of(work, barrier) -> int:
 
 def ring_rank(args, device) -> dict | None:
     """One rank: ring CP=2 on the fused kernel vs SDPA on rank 0, alternating; then peak memory."""
-    import torch
-    import torch.distributed as dist
-
-    from coc_inject.bench import attention as bench_attention, attention_inputs
-    from coc_inject.context_parallel.function import ContextParallelAttention
-
     rank = dist.get_rank()
     if getattr(args, "reference_tile", None):  # the reference kernel in tiles of this size (1 << 30: untiled)
-        from coc_inject.attention_kernels import reference
-
         reference.TILE = args.reference_tile
     schedule = attention_inputs.schedules(2, [bench_attention.Variant("ring", "ring")], args.head_dim)["ring"]
     kernel = attention_inputs.kernels(args)[None]
@@ -158,10 +153,9 @@ def ring_rank(args, device) -> dict | None:
 
 
 def _run(args, **overrides) -> dict:
-    from coc_inject.bench.run import run_local
-
-    return run_local(argparse.Namespace(**{**vars(args), **overrides}), work=ring_rank, world=2,
-                     command="make bench-flash", megatron=False)
+    """ring_rank on two local ranks, with ``args`` and ``overrides`` (a new namespace: ``args`` stays as it is)."""
+    work = argparse.Namespace(**{**vars(args), **overrides})
+    return ranks.run_local(Setup(threads=work.threads, megatron=False, command="make bench-flash"), ring_rank, work)
 
 
 def main(argv=None) -> int:
@@ -172,7 +166,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out/flash"))
     args = parser.parse_args(argv)
-    common = dict(link=None, threads=1, batch=1, heads=8, kv_groups=8, head_dim=64, kernel="fused")
+    common = dict(threads=1, batch=1, heads=8, kv_groups=8, head_dim=64, kernel="fused")
     results = {"block": block_kernels(args.block_reps), "ring_vs_sdpa": [], "memory": []}
     block = results["block"]
     print(f"block fwd+bwd {list(BLOCK)} causal fp32, 1 thread: cpu-flash {block['ms']['cpu-flash']:.1f} ms, "

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from coc_inject import patching
 from coc_inject.config import AUTO, CocConfig
-from coc_inject.pipeline import schedules
+from coc_inject.pipeline import collectives, schedules
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device, batch: i
     its input: ``[m / batch, batch, k]`` (Column SP: this rank's shard, ``[m / (batch*TP), batch, k]``).
 
     [m, k, n] is the shape the engine keys ``customized_coc`` and ``auto`` decisions by."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # Megatron: not imported by coc-inject bench's --help and errors
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -266,8 +266,6 @@ def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int =
       alone), which every extra chunk also pays;
     * ``total_us``: their sum.
     """
-    from coc_inject.pipeline import collectives
-
     def forward_time(chunks):
         layer, x = build_layer(CASES["row"], rows_per_chunk * chunks, 32, 32, dtype, device)
         _install(f"N={chunks}")

@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from coc_inject.bench import attention, layers, ranks, report, startup
+from coc_inject.bench.link import EmulatedLink, LinkError
+from coc_inject.bench.ranks import Setup
 
 TARGETS = ("speedup >= 1.35 at the best N and >= 90% of the ideal saving (Row AR, emulated 1 gbit); "
            ">= 90% of the ideal saving (SP cases); host overhead <= 15 us per chunk")
@@ -43,13 +50,11 @@ def chunk_variant(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from coc_inject.bench.attention import CASES as ATTENTION_CASES
-    from coc_inject.bench.layers import CASES, DEFAULT_CASES
-
     parser = argparse.ArgumentParser(prog="coc-inject bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--link", metavar="RATE", help="emulate a link of this rate between the 2 ranks, "
                         "e.g. 1gbit (root only)")
-    parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=[*CASES, *ATTENTION_CASES],
+    parser.add_argument("--cases", nargs="+", default=list(layers.DEFAULT_CASES),
+                        choices=[*layers.CASES, *attention.CASES],
                         help="linear layer cases, and/or attention: context-parallel core attention, every "
                              "algorithm (coc_inject.bench.attention; writes attention.json / attention.png)")
     parser.add_argument("--chunks", nargs="+", type=chunk_variant, default=[1, 2, 4, 8, "auto"],
@@ -63,34 +68,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--startup-reps", type=int, default=40,
                         help="repetitions of the bootstrap start-up measurement (0: skip)")
-    attention = parser.add_argument_group("attention case (--cases attention)")
-    attention.add_argument("--cp", nargs="+", type=int, help="context-parallel sizes, one local rank each "
-                           "(default: 2 4 on loopback, 2 with --link)")
-    attention.add_argument("--seq", type=int, default=2048, help="whole sequence length (default 2048: compute "
-                           "and transfers of the same order over the emulated 1 gbit link, one thread per rank)")
-    attention.add_argument("--batch", type=int, default=1)
-    attention.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
-    attention.add_argument("--kv-groups", type=int, default=8, help="key/value groups (default 8: no GQA)")
-    attention.add_argument("--head-dim", type=int, default=64)
-    attention.add_argument("--kernel", default="fused", choices=["fused", "reference", "both"],
-                           help="the block kernel (default fused: the device's flash kernel); both: every algorithm "
-                                "also on the reference kernel, as extra rows")
+    attention_options = parser.add_argument_group("attention case (--cases attention)")
+    attention_options.add_argument("--cp", nargs="+", type=int, help="context-parallel sizes, one local rank each "
+                                   "(default: 2 4 on loopback, 2 with --link)")
+    attention_options.add_argument("--seq", type=int, default=2048,
+                                   help="whole sequence length (default 2048: compute and transfers of the same order "
+                                        "over the emulated 1 gbit link, one thread per rank)")
+    attention_options.add_argument("--batch", type=int, default=1)
+    attention_options.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
+    attention_options.add_argument("--kv-groups", type=int, default=8, help="key/value groups (default 8: no GQA)")
+    attention_options.add_argument("--head-dim", type=int, default=64)
+    attention_options.add_argument("--kernel", default="fused", choices=["fused", "reference", "both"],
+                                   help="the block kernel (default fused: the device's flash kernel); both: every "
+                                        "algorithm also on the reference kernel, as extra rows")
     return parser
 
 
-def run_rank(args, device) -> dict | None:
+@dataclass(frozen=True)
+class LinearRun:
+    """What every rank measures of the linear cases (``--cases`` without attention)."""
+
+    cases: tuple
+    shape: tuple  # the per-rank forward matmul's M, K, N
+    dtype: str
+    chunks: tuple  # chunk counts and/or "auto"
+    reps: int
+
+
+def run_rank(run: LinearRun, device) -> dict | None:
     """Everything one rank measures; rank 0 returns the results."""
-    import torch
-    import torch.distributed as dist
-
-    from coc_inject.bench import layers
-
-    dtype = getattr(torch, args.dtype)
-    m, k, n = args.shape
+    dtype = getattr(torch, run.dtype)
+    m, k, n = run.shape
     with tempfile.TemporaryDirectory(prefix="coc-bench-tune-") as scratch:  # auto: a fresh cache per run
         results = [layers.measure_case(layers.CASES[name], m=m, k=k, n=n, dtype=dtype, device=device,
-                                       chunks=args.chunks, reps=args.reps,
-                                       tune_cache=os.path.join(scratch, "tune.json")) for name in args.cases]
+                                       chunks=list(run.chunks), reps=run.reps,
+                                       tune_cache=os.path.join(scratch, "tune.json")) for name in run.cases]
     layers.progress("host overhead per chunk (tiny shapes)")
     overhead = layers.host_overhead_per_chunk(device, dtype)
     if dist.get_rank() != 0:
@@ -99,126 +111,43 @@ def run_rank(args, device) -> dict | None:
     return {"results": results, "host_overhead": overhead}
 
 
-def _local_rank(rank, world, port, args, namespaces, work=None, megatron=True):
-    """One spawned rank: gloo on the CPU, Megatron's parallel state (initialize_megatron; not
-    initialised with ``megatron=False``: work that never touches Megatron skips its import);
-    runs ``work(args, device)`` (default run_rank)."""
-    from coc_inject.bench import link as link_module
-
-    if namespaces:
-        link_module.enter(namespaces[rank], core=rank)
-        os.environ["GLOO_SOCKET_IFNAME"] = link_module.INTERFACE
-        address = f"{link_module.SUBNET}.1"
-    else:
-        address = "127.0.0.1"
-    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(args.threads)
-    # Megatron allocates its SP buffers with torch.cuda.current_device(); these ranks are CPU.
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    if megatron:
-        initialize_megatron(args, world)
-    try:
-        return (work or run_rank)(args, torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
-
-
-def initialize_megatron(args, world: int) -> None:
-    """Megatron's parallel state: TP = ``args.tp`` (default: the whole world), CP = ``args.cp_size`` (default 1)."""
-    from megatron.core import parallel_state
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=getattr(args, "tp", None) or world,
-                                             context_parallel_size=getattr(args, "cp_size", None) or 1)
-
-
-def run_local(args, work=None, world: int = 2, command: str = "coc-inject bench", megatron: bool = True) -> dict:
-    from coc_inject.bench.link import EmulatedLink
-    from coc_inject.local_ranks import free_port, run_local_ranks, without_coc_variables
-
-    try:
-        with without_coc_variables():  # the bench installs each variant itself
-            if args.link:
-                with EmulatedLink(args.link) as link:
-                    # The rendezvous port is on the link's own address: any port is free there.
-                    return run_local_ranks(_local_rank, world, 29500, args, link.names, work, megatron)
-            return run_local_ranks(_local_rank, world, free_port(), args, None, work, megatron)
-    except RuntimeError as error:
-        raise SystemExit(f"{command} failed:\n{error}") from None
-
-
-def run_torchrun(args, work=None) -> dict | None:
-    """Under torchrun: this process is one rank of the job, on its accelerator; Megatron's parallel
-    state as initialize_megatron makes it."""
-    import torch
-    import torch.distributed as dist
-
-    from coc_inject.local_ranks import torchrun_device
-
-    device, backend = torchrun_device("COC_BENCH_DEVICE")
-    if device.type == "cpu":  # Megatron allocates its SP buffers with torch.cuda.current_device()
-        torch.cuda.current_device = lambda: torch.device("cpu")
-    dist.init_process_group(backend)
-    initialize_megatron(args, dist.get_world_size())
-    try:
-        return (work or run_rank)(args, device)
-    finally:
-        dist.destroy_process_group()
-
-
-def describe_where(args) -> str:
-    if "RANK" in os.environ:
-        return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks"
-    where = f"emulated {args.link} link (netns + veth + tbf), ranks pinned to cores" if args.link else "plain loopback"
-    return f"2 local CPU ranks (gloo), {where}, {args.threads} thread(s)/rank, {platform.node()}"
-
-
 def main(argv=None) -> int:
-    from coc_inject.bench import report
-    from coc_inject.bench.attention import CASES as ATTENTION_CASES
-    from coc_inject.bench.link import EmulatedLink, LinkError
-
     args = build_parser().parse_args(argv)
-    if args.link and "RANK" not in os.environ:
+    if args.link and not ranks.under_torchrun():
         try:
             EmulatedLink.check_available()
         except LinkError as error:
             print(f"coc-inject bench: {error}", file=sys.stderr)
             return 2
-    if any(case in ATTENTION_CASES for case in args.cases):
-        from coc_inject.bench.attention import bench as attention_bench
-
-        code = attention_bench(args)
-        args.cases = [case for case in args.cases if case not in ATTENTION_CASES]
-        if code or not args.cases:
+    linear_cases = [case for case in args.cases if case not in attention.CASES]
+    if len(linear_cases) < len(args.cases):
+        code = attention.bench(args)
+        if code or not linear_cases:
             return code
     started = time.time()
-    measured = run_torchrun(args) if "RANK" in os.environ else run_local(args)
+    setup = Setup(link=args.link, threads=args.threads)
+    measured = ranks.run(setup, run_rank, LinearRun(tuple(linear_cases), tuple(args.shape), args.dtype,
+                                                    tuple(args.chunks), args.reps))
     if measured is None:
         return 0  # not rank 0 of a torchrun job
     summary = report.summarize(measured["results"])
     m, k, n = args.shape
-    title = (f"coc-inject bench: {describe_where(args)}; [M,K]x[K,N] = [{m},{k}]x[{k},{n}] {args.dtype}, "
+    title = (f"coc-inject bench: {ranks.describe_where(setup)}; [M,K]x[K,N] = [{m},{k}]x[{k},{n}] {args.dtype}, "
              f"{args.reps} interleaved repetitions")
     print(title)
     print(report.format_table(summary))
     overhead = measured["host_overhead"]
     print(f"host overhead per chunk (tiny shapes): coc-inject pipeline {overhead['pipeline_us']:.1f} us + "
           f"backend collective launch {overhead['collective_launch_us']:.1f} us = {overhead['total_us']:.1f} us")
-    startup = None
-    if args.startup_reps and "RANK" not in os.environ:
-        from coc_inject.bench import startup as startup_module
-
-        wall, cpu = startup_module.measure(sys.executable, args.startup_reps)
-        startup = startup_module.summarize(wall, cpu, sys.executable)
+    start_up = None
+    if args.startup_reps and not ranks.under_torchrun():
+        wall, cpu = startup.measure(sys.executable, args.startup_reps)
+        start_up = startup.summarize(wall, cpu, sys.executable)
         print(f"bootstrap start-up cost (python -c pass, {args.startup_reps} reps): "
-              f"off {startup['median_delta_vs_bare_ms']['off']:+.2f} ms, on {startup['median_delta_vs_bare_ms']['on']:+.2f} ms")
+              f"off {start_up['median_delta_vs_bare_ms']['off']:+.2f} ms, on {start_up['median_delta_vs_bare_ms']['on']:+.2f} ms")
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {"title": title, "argv": sys.argv, "targets": TARGETS, "seconds": time.time() - started,
-               "summary": summary, "host_overhead": overhead, "startup": startup,
+               "summary": summary, "host_overhead": overhead, "startup": start_up,
                "raw": measured["results"]}
     report.write_json(args.out / "bench.json", payload)
     problem = report.write_png(args.out / "bench.png", summary, measured["results"], title)

@@ -32,11 +32,13 @@ import argparse
 import dataclasses
 import json
 import os
-import shlex
 import sys
 from dataclasses import dataclass
 
-from coc_inject.bench import tune_attention
+from coc_inject import log, patching
+from coc_inject.bench import ranks, tune_attention, tune_report
+from coc_inject.bench.ranks import Setup
+from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
 
 CASES = ("row", "row-sp", "column-sp", "column-bwd")
 SHAPE_ALLOWED = (f"CASE:M,K,N with CASE one of {', '.join(CASES)} and M, K, N integers >= 1 "
@@ -128,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tune cache to write (default: COC_TUNE_CACHE, else "
                             "${XDG_CACHE_HOME:-~/.cache}/coc-inject/tune.json); off: keep nothing")
     where.add_argument("--threads", type=positive, default=1, help="torch threads per local CPU rank")
+    where.add_argument("--json", action="store_true", help="print the result as one JSON document (the decisions "
+                       "per shape with the candidates' times, the cache, warnings, the fixed settings) instead of "
+                       "the tables")
     return parser
 
 
@@ -196,12 +201,12 @@ class Plan:
     tp: int
     cp: int
     world: int
+    dtype: str = "float32"
+    forward_only_too: bool = False  # --recompute-activations: the attention's forward-only keys as well
 
 
 def resolve(args, parser, environ) -> Plan:
     """The Plan of the arguments, or a parser error."""
-    from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
-
     under_torchrun = "RANK" in environ
     if under_torchrun and args.world is not None:
         parser.error(f"--world={args.world} is for local ranks: under torchrun the job's WORLD_SIZE "
@@ -268,31 +273,27 @@ def resolve(args, parser, environ) -> Plan:
     config = dataclasses.replace(base, parallel_num=AUTO, fused=False, customized_coc=(), disabled=False,
                                  deterministic=False, enable_coc_in_column_backward=True, tune_cache=cache,
                                  tune_candidates=candidates, report=None)
-    return Plan(targets, attention, notes, config, tp, cp, world)
+    return Plan(targets, attention, notes, config, tp, cp, world, args.dtype, args.recompute_activations)
 
 
-def tune_rank(args, device) -> dict | None:
+def tune_rank(plan: Plan, device) -> dict | None:
     """Every rank: each distinct target once, fwd+bwd, with auto installed; rank 0 returns the
     decisions and the hardware identity they are cached under."""
-    import torch
+    import torch  # torch and Megatron only in the ranks: tune's argument errors come without them
     import torch.distributed as dist
 
-    from coc_inject import log
-
-    plan = args.plan
     log.configure(plan.config.log_level)  # rank 0 logs each decision as it is made
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, plan.dtype)
     measured = {"linears": _tune_linears(plan, dtype, device) if plan.targets else None,
                 "attention": (tune_attention.tune_rank(plan.attention, plan.config, dtype, device, plan.tp, plan.cp,
-                                                       args.recompute_activations)
+                                                       plan.forward_only_too)
                               if plan.attention else None)}
     return measured if dist.get_rank() == 0 else None
 
 
 def _tune_linears(plan, dtype, device) -> dict:
-    import torch
+    import torch  # as in tune_rank: only in the ranks
 
-    from coc_inject import patching
     from coc_inject.bench import layers
     from coc_inject.tuning import hardware_identity
 
@@ -314,143 +315,19 @@ def _tune_linears(plan, dtype, device) -> dict:
     return {"decisions": decisions, "identity": hardware_identity(device, group)}
 
 
-def _describe_where(args) -> str:
-    plan = args.plan
-    sizes = f"TP {plan.tp}" + (f", CP {plan.cp}" if plan.cp > 1 else "")
-    if "RANK" in os.environ:
-        return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks, {sizes}"
-    return f"{plan.world} local CPU ranks (gloo), {sizes}, {args.threads} thread(s)/rank"
-
-
-def rows_for(targets, decisions: dict, entries: dict, identity: str) -> list:
-    """One row per target: its decision (chunks, source), the candidates' times (trials, or as
-    cached) and what the cache holds for it."""
-    from coc_inject.tune_cache import TuneCache
-
-    by_shape = {(key.case, key.m, key.k, key.n): (key, decision) for key, decision in decisions.items()}
-    rows = []
-    for target in targets:
-        found = by_shape.get((target.case, *target.shape))
-        if found is None:
-            raise SystemExit(f"coc-inject tune: the engine made no decision for {target.layer} {target.case} "
-                             f"{list(target.shape)}: the call went to Megatron's own forward before tuning "
-                             "(COC_LOG_LEVEL=debug says why)")
-        key, decision = found
-        entry = entries.get(TuneCache.key(key, identity))
-        times = ({str(c): t for c, t in decision.times_ms.items()} if decision.times_ms
-                 else dict(entry.get("times_ms", {})) if isinstance(entry, dict) else {})
-        rows.append({"layer": target.layer, "case": target.case, "shape": list(target.shape),
-                     "chunks": decision.chunks, "source": decision.source, "times_ms": times,
-                     "noise_ms": decision.noise_ms if decision.times_ms else None,
-                     "cached": entry.get("chunks") if isinstance(entry, dict) else None})
-    return rows
-
-
-def customized(rows) -> tuple[dict, dict]:
-    """``{"[m, k, n]": N}`` of the rows, and the conflicts: COC_CUSTOMIZED keys have no case, so a
-    shape that two cases (e.g. a Column fc1 and a Row fc2 with ffn = TP x hidden) decided
-    differently gets "auto" there, {shape: [(case, N), ...]}."""
-    from coc_inject.config import _shape_text
-
-    decided: dict = {}
-    for row in rows:
-        decided.setdefault(_shape_text(row["shape"]), {})[row["case"]] = row["chunks"]
-    conflicts = {text: sorted(cases.items()) for text, cases in decided.items() if len(set(cases.values())) > 1}
-    return ({text: "auto" if text in conflicts else next(iter(cases.values())) for text, cases in decided.items()},
-            conflicts)
-
-
-def format_table(rows, candidates) -> str:
-    counts = [1, *candidates]
-    header = ["layer", "case", "[m, k, n]", "N", "source", *[f"N={c} ms" for c in counts], "noise ms"]
-    table = [header]
-    for row in rows:
-        times = [row["times_ms"].get(str(c)) for c in counts]
-        table.append([row["layer"], row["case"], json.dumps(row["shape"]), str(row["chunks"]), row["source"],
-                      *["-" if t is None else f"{t:.3f}" for t in times],
-                      "-" if row["noise_ms"] is None else f"{row['noise_ms']:.3f}"])
-    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-    left = 5  # text columns left-aligned, numbers right-aligned
-    return "\n".join("  ".join(cell.ljust(w) if i < left and i != 3 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(line, widths))).rstrip() for line in table)
-
-
 def main(argv=None) -> int:
-    from coc_inject.bench import run
-
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.plan = resolve(args, parser, os.environ)
-    # Megatron's parallel state (coc_inject.bench.run.initialize_megatron; bench's own --cp is a list of sizes)
-    args.tp, args.cp_size = args.plan.tp, args.plan.cp
-    args.link = None  # the cache identity is the host's: an emulated link would be cached as plain loopback
-    measured = (run.run_torchrun(args, tune_rank) if "RANK" in os.environ
-                else run.run_local(args, tune_rank, args.plan.world, "coc-inject tune"))
+    plan = resolve(args, parser, os.environ)
+    # Megatron's parallel state gets the job's TP and CP sizes. No link: the cache identity is the
+    # host's, and an emulated link would be cached as plain loopback.
+    setup = Setup(world=plan.world, threads=args.threads, tp=plan.tp, cp=plan.cp, command="coc-inject tune")
+    measured = ranks.run(setup, tune_rank, plan)
     if measured is None:
         return 0  # not rank 0 of a torchrun job
-    cache = args.plan.config.tune_cache
-    if measured["linears"] is not None:
-        print_linears(args, measured["linears"], cache)
-    if measured["attention"] is not None:
-        print_attention(args, measured["attention"], cache)
-    for note in args.plan.notes:
-        print(f"note: {note}")
+    result = tune_report.result(plan, measured, tune_report.describe_where(plan, args.threads))
+    print(json.dumps(result, indent=1) if args.json else tune_report.text(result))
     return 0
-
-
-def _cache_line(cache, identity: str, what: str) -> str:
-    if cache is None:
-        return "cache: off (--cache off / COC_TUNE_CACHE=off): nothing was kept"
-    return (f"cache: {cache}; identity {identity}: a {what} job with this identity, dtype and these shapes takes "
-            "these decisions without trials")
-
-
-def print_linears(args, measured: dict, cache) -> None:
-    from coc_inject.tune_cache import TuneCache
-
-    config = args.plan.config
-    entries = TuneCache(cache).entries() if cache is not None else {}
-    rows = rows_for(args.plan.targets, measured["decisions"], entries, measured["identity"])
-    print(f"coc-inject tune: {_describe_where(args)}, {args.dtype}; candidates N=1 (Megatron's path), "
-          f"{', '.join(f'N={c}' for c in config.tune_candidates)}; ms: fwd+bwd median of the trials, max over "
-          "ranks (source cache: the times cached with the decision)")
-    print(format_table(rows, config.tune_candidates))
-    for row in rows:
-        if cache is not None and row["cached"] != row["chunks"]:
-            print(f"warning: {row['case']} {json.dumps(row['shape'])}: the cache holds "
-                  f"{'nothing' if row['cached'] is None else 'N=' + str(row['cached'])} for it, not N={row['chunks']} "
-                  "(another TP group's decision, written last, or the cache could not be written)")
-    chosen, conflicts = customized(rows)
-    for text, cases in conflicts.items():
-        print(f"warning: {text} is {' and '.join(f'{case} (N={n})' for case, n in cases)}; a COC_CUSTOMIZED key has "
-              "no case, so it says \"auto\" for this shape: tuned per case at run time (from the tune cache when "
-              "the identity matches)")
-    print(_cache_line(cache, measured["identity"], "COC_PARALLEL_NUM=auto"))
-    print("COC_CUSTOMIZED, the same choices for a job without auto ([m, k, n] as the engine keys them):")
-    print(f"export COC_CUSTOMIZED={shlex.quote(json.dumps(chosen))}")
-
-
-def print_attention(args, measured: dict, cache) -> None:
-    from coc_inject.tune_cache import TuneCache
-
-    entries = TuneCache(cache).entries() if cache is not None else {}
-    rows = tune_attention.rows_for(args.plan.attention, measured, entries)
-    print(f"coc-inject tune, attention (COC_CP_ALGO=auto): {_describe_where(args)}, {args.dtype}; candidates "
-          f"{', '.join(measured['settings'])} (ring: the baseline); ms: median of the trials (fwd+bwd; forward-only "
-          "keys: fwd), max over the CP group (source cache: the times cached with the decision)")
-    print(tune_attention.format_table(rows))
-    for row in rows:
-        if cache is not None and row["cached"] != row["choice"]:
-            print(f"warning: {row['key']}: the cache holds {row['cached'] or 'nothing'} for it, not {row['choice']} "
-                  "(another CP group's decision, written last, or the cache could not be written)")
-    print(_cache_line(cache, measured["identity"], "COC_CP_ALGO=auto"))
-    fixed = tune_attention.fixed_settings(rows)
-    if fixed is None:
-        print("the attention shapes chose different algorithms: keep COC_CP_ALGO=auto to run each"
-              + (" (its tune cache holds these decisions)" if cache is not None else ""))
-    else:
-        print("the same choice for a job without auto:")
-        print("\n".join(tune_attention.shell_lines(fixed)))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coc_inject.tune_cache import TuneCache
+
 SHAPE_ALLOWED = ("attention:SEQ,BATCH,HEADS,GROUPS,DIM with integers >= 1 (the whole sequence, micro-batch, the "
                  "model's attention heads and key/value groups, head dim); needs --cp >= 2")
 
@@ -59,7 +61,7 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int, forward_only_too
     """Every rank: each target once, fwd+bwd (and forward alone without autograd when
     ``forward_only_too``), through Megatron's attention with auto installed. Returns the
     decisions, the hardware identity and the candidates' settings."""
-    import torch
+    import torch  # torch and Megatron only in the ranks: tune's argument errors come without them
     from megatron.core import parallel_state
     from megatron.core.transformer import dot_product_attention
     from megatron.core.transformer.enums import AttnMaskType
@@ -103,8 +105,6 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int, forward_only_too
 def rows_for(targets, measured: dict, entries: dict) -> list:
     """One row per decision key of each target (with backward, and forward-only where tuned): its
     decision, the candidates' times (trials, or as cached), what the cache holds for it."""
-    from coc_inject.tune_cache import TuneCache
-
     rows = []
     for target in dict.fromkeys(targets):
         for key, decision in _decisions_of(target, measured["decisions"]):

@@ -1,0 +1,195 @@
+"""Where the ranks of ``coc-inject bench``, ``tune``, ``selftest`` and ``make bench-flash`` run.
+
+A few spawned local CPU processes over gloo (plain loopback, or the emulated link of
+coc_inject.bench.link), or, under torchrun, this process on its rank's device. A frozen
+:class:`Setup` says where and how; a run's work is ``work(payload, device)`` with a payload of
+its own that the launcher only carries. Megatron's parallel state is initialised here for the
+bench and tune. Nothing here writes to the caller's arguments or, for good, to its environment.
+
+Stdlib only at import (the CLI's ``--help`` and argument errors must not import torch).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from coc_inject.bench import link as link_module
+
+COC_PREFIXES = ("COC_", "USE_COC_")
+LINK_PORT = 29500  # the rendezvous port on the emulated link's own address: any port is free there
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where and how one run's ranks start: ``world`` local ranks (under torchrun: the job's),
+    over an emulated ``link`` of that rate (None: plain loopback), ``threads`` torch threads per
+    local CPU rank; Megatron's parallel state with TP ``tp`` (None: the whole world) and CP ``cp``
+    unless ``megatron`` is False (work that never touches Megatron skips its import); ``command``
+    names the run in its failure."""
+
+    world: int = 2
+    link: str | None = None
+    threads: int = 1
+    tp: int | None = None
+    cp: int = 1
+    megatron: bool = True
+    command: str = "coc-inject bench"
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def without_coc_variables():
+    """Processes spawned inside start with coc-inject's variables unset (they install what they
+    measure themselves); this process's environment is given back as it was on the way out."""
+    saved = {key: value for key, value in os.environ.items() if key.startswith(COC_PREFIXES)}
+    for key in saved:
+        del os.environ[key]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def _entry(worker, rank, world, port, queue, args):
+    try:
+        queue.put(("ok", worker(rank, world, port, *args)))
+    except BaseException:  # report, so the parent never waits forever
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+
+
+def run_local_ranks(worker, world: int, port: int, *args):
+    """Start ``worker(rank, world, port, *args)`` in ``world`` spawned processes; return the
+    one non-None result (rank 0's). Raises RuntimeError with every failing rank's traceback."""
+    import torch.multiprocessing as mp  # torch: only once ranks start
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_entry, args=(worker, rank, world, port, queue, args))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    answers = [queue.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    errors = [value for status, value in answers if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return next((value for _, value in answers if value is not None), None)
+
+
+def torchrun_device(npu_variable: str):
+    """``(device, backend)`` for this torchrun rank, made current: CUDA with NCCL if present; an
+    Ascend NPU with HCCL when ``npu_variable`` is set to "npu" (torch_npu is imported only then:
+    without the CANN libraries it breaks ``import torch``); else the CPU with gloo."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, "nccl"
+    if os.environ.get(npu_variable) == "npu":
+        import torch_npu  # noqa: F401
+
+        device = torch.device("npu", local_rank)
+        torch.npu.set_device(device)
+        return device, "hccl"
+    return torch.device("cpu"), "gloo"
+
+
+def initialize_megatron(setup: Setup, world: int) -> None:
+    """Megatron's parallel state: TP = ``setup.tp`` (default: the whole world), CP = ``setup.cp``."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=setup.tp or world,
+                                             context_parallel_size=setup.cp)
+
+
+def _cpu_current_device() -> None:
+    import torch
+
+    # Megatron allocates its SP buffers with torch.cuda.current_device(); these ranks are CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _local_rank(rank, world, port, setup: Setup, namespaces, work, payload):
+    """One spawned rank: gloo on the CPU (in its namespace of the link, pinned to a core),
+    Megatron's parallel state unless ``setup.megatron`` is False; runs ``work(payload, device)``."""
+    if namespaces:
+        link_module.enter(namespaces[rank], core=rank)
+        os.environ["GLOO_SOCKET_IFNAME"] = link_module.INTERFACE
+        address = f"{link_module.SUBNET}.1"
+    else:
+        address = "127.0.0.1"
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(setup.threads)
+    _cpu_current_device()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if setup.megatron:
+        initialize_megatron(setup, world)
+    try:
+        return work(payload, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(setup: Setup, work, payload):
+    """``work(payload, device)`` on ``setup.world`` local CPU ranks; rank 0's result, or
+    SystemExit naming ``setup.command`` with every failing rank's traceback."""
+    try:
+        with without_coc_variables():  # each run installs what it measures itself
+            if setup.link:
+                with link_module.EmulatedLink(setup.link) as link:
+                    return run_local_ranks(_local_rank, setup.world, LINK_PORT, setup, link.names, work, payload)
+            return run_local_ranks(_local_rank, setup.world, free_port(), setup, None, work, payload)
+    except RuntimeError as error:
+        raise SystemExit(f"{setup.command} failed:\n{error}") from None
+
+
+def run_torchrun(setup: Setup, work, payload):
+    """Under torchrun: this process is one rank of the job, on its accelerator; Megatron's parallel
+    state as initialize_megatron makes it. Rank 0's result; None on the other ranks."""
+    import torch.distributed as dist
+
+    device, backend = torchrun_device("COC_BENCH_DEVICE")
+    if device.type == "cpu":
+        _cpu_current_device()
+    dist.init_process_group(backend)
+    initialize_megatron(setup, dist.get_world_size())
+    try:
+        return work(payload, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(setup: Setup, work, payload):
+    """Under torchrun on the job's ranks, else on local ones."""
+    return run_torchrun(setup, work, payload) if under_torchrun() else run_local(setup, work, payload)
+
+
+def describe_where(setup: Setup, ranks: str | None = None) -> str:
+    """The bench titles' where: torchrun's world, or the local ranks (``ranks``: how to count them,
+    default "N local CPU ranks"), their link, threads and this host."""
+    if under_torchrun():
+        return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks"
+    where = (f"emulated {setup.link} link (netns + veth + tbf), ranks pinned to cores" if setup.link
+             else "plain loopback")
+    return (f"{ranks or f'{setup.world} local CPU ranks'} (gloo), {where}, {setup.threads} thread(s)/rank, "
+            f"{platform.node()}")
