@@ -153,7 +153,7 @@ def _nothing():
 
 
 def main(argv=None) -> int:
-    from coc_inject.bench.run import run_local
+    from coc_inject.bench import ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link", metavar="RATE")
@@ -170,8 +170,9 @@ def main(argv=None) -> int:
     from coc_inject.config import AUTO
 
     args.chunks = AUTO if args.chunks == "auto" else int(args.chunks)
-    result = run_local(args, work=rank_work, world=2, command="python -m coc_inject.bench.whole_layer")
-    where = f"emulated {args.link} link" if args.link else "loopback"
+    setup = ranks.Setup(world=2, link=args.link, threads=args.threads, command="python -m coc_inject.bench.whole_layer")
+    result = ranks.run(setup, rank_work, args)
+    where = ranks.describe_where(setup)
     print(f"one TransformerBlock ({args.layers} layer, seq {args.seq}, batch {args.batch}, hidden {args.hidden}) "
           f"forward + backward, TP=2 SP, {where}; compute only {result['compute_only_ms']:.1f} ms")
     for name, row in result["rows"].items():
