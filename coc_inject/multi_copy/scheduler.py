@@ -148,7 +148,8 @@ class ThreadContext:
                          for device in ("cpu", "cuda")}
         self.cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            self.cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
+            stream = torch.cuda.current_stream()
+            self.cuda = (stream.device_index, stream)
 
     def enter(self) -> None:
         import torch
