@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from coc_inject.settings.argv import extract_cp_flags, extract_mindspeed_flags
 from coc_inject.settings.coc_config import CocConfig
-from coc_inject.settings.kinds import (
+from coc_inject.settings.parsers import (
     AUTO,
     SHAPE_COUNT_ALLOWED,
     SHAPE_KEY_ALLOWED,
@@ -25,7 +25,7 @@ from coc_inject.settings.kinds import (
     parse_tune_cache,
     parse_tune_candidates,
 )
-from coc_inject.settings.kinds import shape_text as _shape_text  # noqa: F401  (bench/tune.py's name)
+from coc_inject.settings.parsers import shape_text as _shape_text  # noqa: F401  (bench/tune.py's name)
 from coc_inject.settings.resolve import load_config, unknown_variables, validate_all
 from coc_inject.settings.table import ATTN_KERNELS, ENV_REFERENCE, FILE_REFERENCE, FUSED_BACKENDS, LOG_LEVELS
 

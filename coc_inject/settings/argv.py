@@ -9,7 +9,7 @@ bare ``--`` is left alone, and so is a value-less flag written ``--flag=V``.
 from __future__ import annotations
 
 from coc_inject.settings import table
-from coc_inject.settings.kinds import ConfigError
+from coc_inject.settings.parsers import ConfigError
 
 USE_ASCEND_COC = "--use-ascend-coc"
 # Accepted and removed: coc-inject's ring always overlaps its transfers with compute.

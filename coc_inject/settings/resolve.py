@@ -12,7 +12,7 @@ import os
 from coc_inject.settings import table
 from coc_inject.settings.argv import COC_FLAGS, CP_FLAGS, NO_FLAGS, flags_without_use_ascend_coc, is_given
 from coc_inject.settings.coc_config import CocConfig
-from coc_inject.settings.kinds import ConfigError, DuplicateKey, loads
+from coc_inject.settings.parsers import ConfigError, DuplicateKey, loads
 from coc_inject.settings.rules import k_range_error, refinement_error
 
 

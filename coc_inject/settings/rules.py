@@ -6,7 +6,7 @@ apply them, each phrasing the error for its own source.
 
 from __future__ import annotations
 
-from coc_inject.settings.kinds import ConfigError
+from coc_inject.settings.parsers import ConfigError
 
 
 def linears_on(fused, parallel_num, customized_coc) -> bool:

@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coc_inject.settings import kinds
-from coc_inject.settings.kinds import (AtLeast, ChunkCandidates, ChunkCount, Choice, Kind, ShapeCounts, Switch,
-                                       default_tune_cache)
+from coc_inject.settings import parsers
+from coc_inject.settings.kinds import AtLeast, ChunkCandidates, ChunkCount, Choice, Kind, ShapeCounts, Switch
 from coc_inject.settings.rules import ATTENTION, CONTEXT_PARALLELISM
 
 # ``agreed``: every rank must hold the same value (a mismatch would chunk collectives differently
@@ -57,7 +56,7 @@ class Setting:
 
     @property
     def file_allowed(self) -> str:
-        return self.allowed or (kinds.JSON_BOOL_ALLOWED if self.kind.switch else self.kind.allowed)
+        return self.allowed or self.kind.json_allowed
 
     @property
     def shown_default(self) -> str:
@@ -88,7 +87,7 @@ ATTN_KERNEL_ALLOWED = ("auto, fused or reference (any case): auto = the device's
                        "error where none can run); reference = tiled fp32 torch ops (the test oracle)")
 
 SWITCH = Switch()
-POSITIVE_INT = AtLeast(1, kinds.POSITIVE_INT_ALLOWED)
+POSITIVE_INT = AtLeast(1, parsers.POSITIVE_INT_ALLOWED)
 # COC_CONFIG's allowed text lists the file keys, so it is filled in below, once the rows exist.
 CONFIG_FILE = Kind("")
 
@@ -117,9 +116,9 @@ SETTINGS = (
             file_key="customized_coc", agreed=ALWAYS, arms=ANY_VALUE),
     Setting(None, "k_min", POSITIVE_INT, 1024,
             "matmul_soc_friendly pads an unaligned contraction size k only when k_min <= k <= k_max.",
-            allowed=kinds.POSITIVE_INT_ALLOWED + ", <= k_max", file_key="k_min", agreed=ALWAYS),
+            allowed=parsers.POSITIVE_INT_ALLOWED + ", <= k_max", file_key="k_min", agreed=ALWAYS),
     Setting(None, "k_max", POSITIVE_INT, 4096, "Upper end of that k range (see k_min).",
-            allowed=kinds.POSITIVE_INT_ALLOWED + ", >= k_min", file_key="k_max", agreed=ALWAYS),
+            allowed=parsers.POSITIVE_INT_ALLOWED + ", >= k_min", file_key="k_max", agreed=ALWAYS),
     # Accepted so origin config files load unchanged; it only switched on MindSpeed's tensor
     # dumps, which coc-inject does not do, so the value is validated and then ignored.
     Setting(None, None, SWITCH, False, "Accepted for MindSpeed compatibility; ignored.",
@@ -140,18 +139,18 @@ SETTINGS = (
             "Patch a megatron-core release outside the tested range, or one whose release cannot be determined, "
             "anyway (one warning says it is untested); without it such a release is left unpatched with one "
             "warning."),
-    Setting("COC_REPORT", "report", Kind(kinds.REPORT_ALLOWED, kinds.parse_report_path), None,
+    Setting("COC_REPORT", "report", Kind(parsers.REPORT_ALLOWED, parsers.parse_report_path), None,
             "Each rank writes a JSON report of what CoC did per layer at exit; {rank} in the path is "
             "replaced by the global rank, without it only global rank 0 writes.", default_text="(unset)"),
     Setting("COC_TUNE_CANDIDATES", "tune_candidates", ChunkCandidates(), (2, 4, 8),
             "With COC_PARALLEL_NUM=auto (or an \"auto\" COC_CUSTOMIZED value): the chunk counts tried beside "
             "Megatron's own path (N=1) for each shape; counts above the shape's rows are skipped.", agreed=WHEN_SET),
     # Process-local (ranks agree on each decision), so not part of equality either.
-    Setting("COC_TUNE_CACHE", "tune_cache", Kind(kinds.TUNE_CACHE_ALLOWED, kinds.parse_tune_cache), None,
+    Setting("COC_TUNE_CACHE", "tune_cache", Kind(parsers.TUNE_CACHE_ALLOWED, parsers.parse_tune_cache), None,
             "Where auto decisions persist, keyed by shape, dtype, TP and world size, device, backend and "
             "host/device name: a job whose shapes are all cached runs no trials. off = tune every run, keep "
             "nothing.", default_text="`${XDG_CACHE_HOME:-~/.cache}/coc-inject/tune.json`",
-            compared=False, environ_default=default_tune_cache),
+            compared=False, environ_default=parsers.default_tune_cache),
     Setting("COC_CP_ALGO", "cp_algo", Choice(CP_ALGOS, CP_ALGO_ALLOWED, CP_ALGO_ALIASES), None,
             "Context parallelism on Megatron's local DotProductAttention (which refuses CP by itself): the "
             "algorithm over the context-parallel group. Setting it arms coc-inject on its own (the linears "
