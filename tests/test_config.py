@@ -6,6 +6,7 @@ import dataclasses
 import json
 import pathlib
 import pickle
+import re
 
 import pytest
 
@@ -694,6 +695,19 @@ def test_validate_all_empty_when_valid(tmp_path):
 
 
 # --- helpers ----------------------------------------------------------------------------
+
+
+def test_every_variable_the_project_names_is_a_row():
+    # Messages, docs and code spell variable names in prose; a renamed or removed row must not leave
+    # them stale. Not settings: the typo in an example, bench/selftest's device, a fake's attribute.
+    from coc_inject.settings import table
+
+    root = pathlib.Path(cfgmod.__file__).parent.parent
+    paths = [*root.joinpath("coc_inject").rglob("*.py"), *root.joinpath("sitecustomize").glob("*.py"),
+             root / "README.md", *root.joinpath("docs").glob("*.md"), *root.joinpath("env").glob("*.sh")]
+    named = {name for path in paths for name in re.findall(r"\b(?:USE_)?COC_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
+    others = {"COC_PARALLEL_NUMS", "COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE", "COC_PREFIXES", "COC_FAKE_DEVICE_TYPE"}
+    assert named - others == set(table.VARIABLES)
 
 
 def test_unknown_variables_spots_typos():

@@ -16,10 +16,10 @@ USE_ASCEND_COC = "--use-ascend-coc"
 CP_OVERLAP_FLAG = "--use-cp-send-recv-overlap"
 FLAG_NEEDS_USE_ASCEND_COC = "--use-ascend-coc alongside it (MindSpeed only honours the CoC flags with --use-ascend-coc)"
 
-COC_FLAGS = tuple(row for row in table.FLAGS if row.flag_needs_use_ascend_coc)
+MINDSPEED_COC_FLAGS = tuple(row for row in table.FLAGS if row.flag_needs_use_ascend_coc)
 CP_FLAGS = tuple(row for row in table.FLAGS if not row.flag_needs_use_ascend_coc)
 # extract_mindspeed_flags' answer when none is given: a switch is False, a value None.
-NO_FLAGS = {"use_ascend_coc": False, **{row.field: False if row.kind.switch else None for row in COC_FLAGS}}
+NO_FLAGS = {"use_ascend_coc": False, **{row.field: False if row.kind.switch else None for row in MINDSPEED_COC_FLAGS}}
 
 
 def take_flags(argv: list, rows, switches: dict) -> tuple:
@@ -66,7 +66,7 @@ def flags_without_use_ascend_coc(flags: dict) -> list:
         return []
     return [ConfigError(row.flag, True if row.kind.switch else flags[row.field], FLAG_NEEDS_USE_ASCEND_COC,
                         reason=f"is given without {USE_ASCEND_COC}")
-            for row in COC_FLAGS if is_given(row, flags.get(row.field))]
+            for row in MINDSPEED_COC_FLAGS if is_given(row, flags.get(row.field))]
 
 
 def is_given(row, value) -> bool:
@@ -81,7 +81,7 @@ def extract_mindspeed_flags(argv: list) -> tuple:
     and ``--coc-fused-kernel``; every other token, and everything after a bare ``--``, is
     left exactly as it was. Removing them lets plain Megatron's argparse run unchanged.
     """
-    given, rest = take_flags(argv, COC_FLAGS, {USE_ASCEND_COC: "use_ascend_coc"})
+    given, rest = take_flags(argv, MINDSPEED_COC_FLAGS, {USE_ASCEND_COC: "use_ascend_coc"})
     flags = {**NO_FLAGS, **given}
     errors = flags_without_use_ascend_coc(flags)
     if errors:

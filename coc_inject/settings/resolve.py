@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from coc_inject.settings import table
-from coc_inject.settings.argv import COC_FLAGS, CP_FLAGS, NO_FLAGS, flags_without_use_ascend_coc, is_given
+from coc_inject.settings.argv import MINDSPEED_COC_FLAGS, CP_FLAGS, NO_FLAGS, flags_without_use_ascend_coc, is_given
 from coc_inject.settings.coc_config import CocConfig
 from coc_inject.settings.parsers import ConfigError, DuplicateKey, loads
 from coc_inject.settings.rules import k_range_error, refinement_error
@@ -55,7 +55,7 @@ def _resolve(environ, argv_flags, cp_flags) -> tuple[dict, list]:
         refused = flags_without_use_ascend_coc(flags)
         errors.extend(refused)
         if not refused:
-            _merge_flags(flags, COC_FLAGS, given, values, errors)
+            _merge_flags(flags, MINDSPEED_COC_FLAGS, given, values, errors)
     _merge_flags(cp_flags or {}, CP_FLAGS, given, values, errors)
     # After the flags: they may switch on what a refinement needs.
     for row in table.SETTINGS:
