@@ -86,34 +86,40 @@ def _disagreement(row, value, text: str) -> ConfigError:
     where = f"{row.flag} / {row.variable}"
     if row.kind.switch:
         return ConfigError(where, f"true / {text}", "the same setting in both places, or only one of them",
-                           message=f"{row.flag} disagrees with {row.variable}={text}: drop the flag, or unset the variable")
+                           message=(f"{row.flag} disagrees with {row.variable}={text}: "
+                                    "drop the flag, or unset the variable"))
     return ConfigError(where, f"{value} / {text}", "the same value in both places, or only one of them",
                        message=(f"{row.flag} {value} disagrees with {row.variable}={text}: "
                                 "set only one of them, or the same value in both"))
 
 
-def _read_config_file(path: str, errors: list) -> dict:
-    """Validated values of the COC_CONFIG file, keyed by CocConfig field; errors are appended."""
-    allowed = table.CONFIG_FILE.allowed
+def _config_file_object(path: str) -> dict:
+    """The COC_CONFIG file's JSON object, or a ConfigError saying why there is none."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as handle:
             raw = loads(handle.read())
     except OSError as exc:
-        errors.append(ConfigError("COC_CONFIG", path, allowed, reason=f"cannot be read ({exc.strerror or exc})"))
-        return {}
+        reason = f"cannot be read ({exc.strerror or exc})"
     except UnicodeDecodeError as exc:
-        errors.append(ConfigError("COC_CONFIG", path, allowed, reason=f"is not UTF-8 text ({exc.reason})"))
-        return {}
+        reason = f"is not UTF-8 text ({exc.reason})"
     except DuplicateKey as dup:
-        errors.append(ConfigError("COC_CONFIG", path, allowed, reason=f"repeats the key {dup.args[0]!r}"))
-        return {}
+        reason = f"repeats the key {dup.args[0]!r}"
     except ValueError as exc:
-        errors.append(ConfigError("COC_CONFIG", path, allowed, reason=f"is not valid JSON ({exc})"))
-        return {}
-    if not isinstance(raw, dict):
-        errors.append(ConfigError("COC_CONFIG", path, allowed, reason=f"holds a JSON {type(raw).__name__}, not an object"))
-        return {}
+        reason = f"is not valid JSON ({exc})"
+    else:
+        if isinstance(raw, dict):
+            return raw
+        reason = f"holds a JSON {type(raw).__name__}, not an object"
+    raise ConfigError("COC_CONFIG", path, table.CONFIG_FILE.allowed, reason=reason)
 
+
+def _read_config_file(path: str, errors: list) -> dict:
+    """Validated values of the COC_CONFIG file, keyed by CocConfig field; errors are appended."""
+    try:
+        raw = _config_file_object(path)
+    except ConfigError as exc:
+        errors.append(exc)
+        return {}
     values = {}
     for key, value in raw.items():
         row = table.FILE_KEYS.get(key)
