@@ -22,16 +22,33 @@ CP_HOOKS = (
     ("coc_inject.context_parallel.install:on_parallel_state_imported", "megatron.core.parallel_state"),
 )
 TRIGGER = "megatron"
-# MindSpeed's command-line switches. The config rejects the last two without the first;
-# they count as a request here so that it is the config that says so.
-ARGV_FLAGS = ("--use-ascend-coc", "--coc-fused-kernel", "--coc-parallel-num",
-              # context parallelism (the config says when one is given without an algorithm)
-              "--context-parallel-algo", "--cp-window-size", "--ulysses-degree-in-cp", "--attention-mask-type")
-CP_VARIABLES = ("COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE", "COC_CP_MASK_TYPE",
-                "COC_ATTN_KERNEL")  # the config says when COC_ATTN_KERNEL is given alone
 
 _TRUE_WORDS = frozenset(("1", "true", "yes", "on"))
 _FALSE_WORDS = frozenset(("0", "false", "no", "off"))
+
+# The names below are the settings table's (coc_inject.settings.table), copied because importing
+# it would cost every Python process start-up time; tests/test_bootstrap.py holds them to the table.
+DISABLE = "COC_DISABLE"
+# The variables that request coc-inject on their own, each with the values that do not. Any other
+# non-blank value does, an invalid one too, so that the config says what is wrong with it.
+REQUESTING = {
+    "COC_PARALLEL_NUM": ("1",),
+    "USE_COC_FUSED_KERNEL": _FALSE_WORDS,
+    "COC_CUSTOMIZED": (),
+    "COC_CONFIG": (),
+    # context parallelism (the config says when a refinement is given without an algorithm)
+    "COC_CP_ALGO": (),
+    "COC_CP_WINDOW": (),
+    "COC_CP_ULYSSES_DEGREE": (),
+    "COC_CP_MASK_TYPE": (),
+    "COC_ATTN_KERNEL": (),  # the config says when it is given alone
+    "COC_FLASH_ATTN": _FALSE_WORDS,
+}
+# MindSpeed's command-line switches. The config rejects the CoC ones without --use-ascend-coc;
+# they count as a request here so that it is the config that says so.
+ARGV_FLAGS = ("--use-ascend-coc", "--coc-parallel-num", "--coc-fused-kernel",
+              # context parallelism (the config says when one is given without an algorithm)
+              "--context-parallel-algo", "--cp-window-size", "--ulysses-degree-in-cp", "--attention-mask-type")
 
 _finder = None  # the installed _MegatronTrigger, if any
 _hook_registered = False
@@ -54,26 +71,15 @@ def requested(environ=None, argv=None) -> bool:
     if argv is None:
         argv = getattr(sys, "argv", None) or ()
 
-    disable = _word(environ, "COC_DISABLE")
+    disable = _word(environ, DISABLE)
     if disable and disable.lower() in _TRUE_WORDS:
         return False
 
-    parallel = _word(environ, "COC_PARALLEL_NUM")
-    if parallel and parallel != "1":
-        return True
-
-    # An empty USE_COC_FUSED_KERNEL counts as unset (``export USE_COC_FUSED_KERNEL=``).
-    fused = _word(environ, "USE_COC_FUSED_KERNEL")
-    if fused and fused.lower() not in _FALSE_WORDS:
-        return True
-
-    for name in ("COC_CUSTOMIZED", "COC_CONFIG") + CP_VARIABLES:
-        if _word(environ, name):
+    # An empty variable counts as unset (``export USE_COC_FUSED_KERNEL=``).
+    for name, off in REQUESTING.items():
+        word = _word(environ, name)
+        if word and word.lower() not in off:
             return True
-
-    flash = _word(environ, "COC_FLASH_ATTN")
-    if flash and flash.lower() not in _FALSE_WORDS:
-        return True
 
     for token in argv:
         if isinstance(token, str) and token.startswith("--") and token.partition("=")[0] in ARGV_FLAGS:

@@ -26,7 +26,8 @@ COC_SH = REPO / "env" / "coc.sh"
 
 from coc_inject import bootstrap  # noqa: E402  (pytest puts the checkout on sys.path)
 
-HEAVY = ("torch", "wrapt", "megatron", "coc_inject.config", "coc_inject.patching", "importlib.metadata")
+HEAVY = ("torch", "wrapt", "megatron", "coc_inject.config", "coc_inject.settings", "coc_inject.patching",
+         "importlib.metadata")
 
 # Printed by child interpreters: what the bootstrap did to this process.
 PROBE = textwrap.dedent(
@@ -423,6 +424,19 @@ CASES = [
 @pytest.mark.parametrize("environ, argv, expected", CASES)
 def test_requested_truth_table(environ, argv, expected):
     assert bootstrap.requested(environ, argv) is expected
+
+
+def test_requesting_names_follow_the_settings_table():
+    # The bootstrap keeps a stdlib copy of the table's names (importing the table would cost every
+    # process start-up time): a row with ``arms`` or a flag needs its entry in bootstrap.py.
+    from coc_inject.settings import argv, parsers, table
+
+    expected = {row.variable: set(row.kind.off_words if row.arms == table.UNLESS_OFF else ())
+                for row in table.SETTINGS if row.arms is not None}
+    assert {name: set(off) for name, off in bootstrap.REQUESTING.items()} == expected
+    assert set(bootstrap.ARGV_FLAGS) == {argv.USE_ASCEND_COC} | {row.flag for row in table.FLAGS}
+    assert bootstrap.DISABLE == table.variable_for("disabled")
+    assert (bootstrap._TRUE_WORDS, bootstrap._FALSE_WORDS) == (set(parsers.TRUE_WORDS), set(parsers.FALSE_WORDS))
 
 
 # --------------------------------------------------------------------------- faults

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import pickle
+import re
 
 import pytest
 
@@ -638,6 +640,25 @@ def test_flag_with_bad_parallel_num_value():
     assert err.variable == "--coc-parallel-num"
 
 
+def test_flag_parallel_num_auto_is_a_count_like_the_variable():
+    # It was refused by the merge with a message showing the stored -2 and naming auto as allowed.
+    flags, _ = extract_mindspeed_flags(["--use-ascend-coc", "--coc-parallel-num", "auto"])
+    assert load_config({}, flags).parallel_num == cfgmod.AUTO
+
+
+@pytest.mark.parametrize("extract, flag", [(extract_mindspeed_flags, "--coc-parallel-num"),
+                                           (extract_cp_flags, "--cp-window-size")])
+def test_both_flag_groups_treat_double_dash_alike(extract, flag):
+    # One scanner for both groups: a bare -- ends the flags and stays, with all that follows; a flag
+    # that takes a value takes the next token, -- too (then its parser names the flag).
+    flags, rest = extract(["--use-ascend-coc", "x", "--", flag, "4"])
+    assert rest[-4:] == ["x", "--", flag, "4"]
+    assert all(value in (None, False) for key, value in flags.items() if key != "use_ascend_coc")
+    with pytest.raises(ConfigError) as info:
+        extract(["--use-ascend-coc", flag, "--", "4"])
+    assert (info.value.variable, info.value.value) == (flag, "--")
+
+
 def test_extract_then_load_round_trip():
     flags, rest = extract_mindspeed_flags(["train.py", "--use-ascend-coc", "--coc-parallel-num=8"])
     cfg = load_config({}, flags)
@@ -676,6 +697,20 @@ def test_validate_all_empty_when_valid(tmp_path):
 # --- helpers ----------------------------------------------------------------------------
 
 
+def test_every_variable_the_project_names_is_a_row():
+    # Messages, docs and code spell variable names in prose; a renamed or removed row must not leave
+    # them stale. Not settings: the typo in an example, bench/selftest's device, a fake's attribute.
+    from coc_inject.settings import table
+
+    root = pathlib.Path(cfgmod.__file__).parent.parent
+    paths = [*root.joinpath("coc_inject").rglob("*.py"), *root.joinpath("sitecustomize").glob("*.py"),
+             root / "README.md", *root.joinpath("docs").glob("*.md"), *root.joinpath("env").glob("*.sh")]
+    named = {name for path in paths for name in re.findall(r"\b(?:USE_)?COC_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
+    others = {"COC_PARALLEL_NUMS", "COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE", "COC_PREFIXES", "COC_FAKE_DEVICE_TYPE",
+              "COC_MULTI_COPY"}  # multi_copy/ names it before its row exists (issue #21): drop it with the row
+    assert named - others == set(table.VARIABLES)
+
+
 def test_unknown_variables_spots_typos():
     environ = {"COC_PARALLEL_NUMS": "4", "COC_PARALLEL_NUM": "4", "USE_COC_FUSED": "1", "PATH": "/bin"}
     assert unknown_variables(environ) == ["COC_PARALLEL_NUMS", "USE_COC_FUSED"]
@@ -686,6 +721,24 @@ def test_module_source_stays_lean_and_never_evals():
     for heavy in ("torch", "megatron", "wrapt", "logging"):
         assert f"import {heavy}" not in text
     assert "eval(" not in text
+    for path in pathlib.Path(cfgmod.__file__).parent.joinpath("settings").glob("*.py"):  # the table and its helpers
+        text = path.read_text(encoding="utf-8")
+        assert not any(f"import {heavy}" in text for heavy in ("torch", "megatron", "wrapt", "logging")), path
+        assert "eval(" not in text, path
+
+
+def test_each_setting_is_one_row():
+    from coc_inject.settings import rules, table
+
+    assert [f.name for f in dataclasses.fields(CocConfig)] == [row.field for row in table.FIELDS]
+    for name in ("variable", "field", "file_key", "flag"):
+        spelled = [getattr(row, name) for row in table.SETTINGS if getattr(row, name) is not None]
+        assert len(spelled) == len(set(spelled)), name
+    assert [s.name for s in ENV_REFERENCE] == list(table.VARIABLES)
+    assert table.variable_for("cp_window") == "COC_CP_WINDOW"
+    for row in table.SETTINGS:
+        assert row.needs is None or row.needs in rules.SWITCHED_ON
+        assert row.kind is not None or row.field is None  # only a variable read elsewhere has no kind
 
 
 @pytest.mark.parametrize("text,expected", [("atb", "atb"), (" ATB ", "atb"), ("Chunked", "chunked"), ("auto", "auto")])

@@ -25,6 +25,7 @@ from coc_inject import attention_kernels, log
 from coc_inject.context_parallel import layout
 from coc_inject.context_parallel.function import ContextParallelAttention
 from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, LOCAL, RING, ULYSSES, make_schedule
+from coc_inject.settings.table import variable_for
 
 # Megatron's cp_comm_type values (TransformerConfig, per layer) -> algorithm.
 CP_COMM_TYPES = {None: RING, "p2p": RING, "a2a": ULYSSES, "a2a+p2p": HYBRID, "all_gather": ALLGATHER,
@@ -60,8 +61,8 @@ class Variant:
 
     def settings(self) -> dict:
         """The COC_CP_* variables that run this variant without auto (None: must be unset)."""
-        return {"COC_CP_ALGO": self.algorithm, "COC_CP_WINDOW": str(self.window),
-                "COC_CP_ULYSSES_DEGREE": str(self.ulysses_degree) if self.algorithm == HYBRID else None}
+        return {variable_for("cp_algo"): self.algorithm, variable_for("cp_window"): str(self.window),
+                variable_for("cp_ulysses_degree"): str(self.ulysses_degree) if self.algorithm == HYBRID else None}
 
 
 @dataclass
