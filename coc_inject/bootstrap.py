@@ -43,6 +43,7 @@ REQUESTING = {
     "COC_CP_MASK_TYPE": (),
     "COC_ATTN_KERNEL": (),  # the config says when it is given alone
     "COC_FLASH_ATTN": _FALSE_WORDS,
+    "COC_MULTI_COPY": ("1",),
 }
 # MindSpeed's command-line switches. The config rejects the CoC ones without --use-ascend-coc;
 # they count as a request here so that it is the config that says so.

@@ -86,7 +86,7 @@ def test_reference_covers_every_variable_once():
         "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
         "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT",
         "COC_TUNE_CANDIDATES", "COC_TUNE_CACHE", "COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE",
-        "COC_CP_MASK_TYPE", "COC_ATTN_KERNEL", "COC_FLASH_ATTN", "COC_CACHE_DIR",
+        "COC_CP_MASK_TYPE", "COC_ATTN_KERNEL", "COC_FLASH_ATTN", "COC_MULTI_COPY", "COC_CACHE_DIR",
     ]
     for setting in ENV_REFERENCE + FILE_REFERENCE:
         assert setting.default and setting.allowed and setting.meaning
@@ -706,8 +706,7 @@ def test_every_variable_the_project_names_is_a_row():
     paths = [*root.joinpath("coc_inject").rglob("*.py"), *root.joinpath("sitecustomize").glob("*.py"),
              root / "README.md", *root.joinpath("docs").glob("*.md"), *root.joinpath("env").glob("*.sh")]
     named = {name for path in paths for name in re.findall(r"\b(?:USE_)?COC_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())}
-    others = {"COC_PARALLEL_NUMS", "COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE", "COC_PREFIXES", "COC_FAKE_DEVICE_TYPE",
-              "COC_MULTI_COPY"}  # multi_copy/ names it before its row exists (issue #21): drop it with the row
+    others = {"COC_PARALLEL_NUMS", "COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE", "COC_PREFIXES", "COC_FAKE_DEVICE_TYPE"}
     assert named - others == set(table.VARIABLES)
 
 
@@ -900,3 +899,27 @@ def test_attention_kernel_errors_name_the_variable(environ, variable, allowed):
     assert error.variable == variable and allowed in str(error) and repr(environ[variable]) in str(error)
     with pytest.raises(ConfigError):
         CocConfig(attn_kernel="flash")
+
+
+@pytest.mark.parametrize("text,want", [("2", 2), ("4", 4), (" auto ", cfgmod.AUTO), ("1", 1)])
+def test_multi_copy_counts_and_auto(text, want):
+    config = load_config({"COC_MULTI_COPY": text})
+    assert config.multi_copy == want
+    assert config.armed == (want != 1) and config.multi_copy_armed == (want != 1)
+    assert not config.enabled and config.cp_algorithm is None  # copies alone leave the linears and attention be
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", "2.5", ""])
+def test_multi_copy_bad_values_name_the_variable_and_what_is_allowed(text):
+    if not text:
+        assert load_config({"COC_MULTI_COPY": text}).multi_copy == 1  # blank: unset
+        return
+    with pytest.raises(ConfigError) as error:
+        load_config({"COC_MULTI_COPY": text})
+    assert str(error.value).startswith(f"COC_MULTI_COPY={text!r} is invalid: expected 1 (off), an integer n >= 2")
+    assert "auto" in str(error.value)
+
+
+def test_multi_copy_is_agreed_across_ranks_when_set():
+    assert load_config({"COC_MULTI_COPY": "2"}).fingerprint() != load_config({}).fingerprint()
+    assert load_config({"COC_MULTI_COPY": "1"}).fingerprint() == load_config({}).fingerprint()

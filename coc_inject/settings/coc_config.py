@@ -43,8 +43,14 @@ class CocConfigBehaviour:
 
     @property
     def armed(self) -> bool:
-        """Does coc-inject patch anything: the linears (enabled) or the attention (cp_algorithm, flash_attn)?"""
-        return self.enabled or self.attention_armed
+        """Does coc-inject patch anything: the linears (enabled), the attention (cp_algorithm,
+        flash_attn) or the TransformerBlocks (multi_copy)?"""
+        return self.enabled or self.attention_armed or self.multi_copy_armed
+
+    @property
+    def multi_copy_armed(self) -> bool:
+        """Do TransformerBlock calls run as copies (a count >= 2, or auto)?"""
+        return self.multi_copy != 1 and not self.disabled
 
     @property
     def attention_armed(self) -> bool:

@@ -86,6 +86,9 @@ ATTN_KERNEL_ALLOWED = ("auto, fused or reference (any case): auto = the device's
                        "reference kernel where none can run a call (said once); fused = only the fused kernel (an "
                        "error where none can run); reference = tiled fp32 torch ops (the test oracle)")
 
+MULTI_COPY_ALLOWED = ("1 (off), an integer n >= 2 (copies; they must divide the micro-batch) or auto (copies or not, "
+                      "tried per block shape at run time)")
+
 SWITCH = Switch()
 POSITIVE_INT = AtLeast(1, parsers.POSITIVE_INT_ALLOWED)
 # COC_CONFIG's allowed text lists the file keys, so it is filled in below, once the rows exist.
@@ -175,6 +178,11 @@ SETTINGS = (
             "Layers built with CP = 1 run the fused attention kernel too, instead of Megatron's unfused [s x s] "
             "local attention (a call it cannot run exactly, e.g. a padding mask or dropout, goes to Megatron's "
             "path with a reason). Arms coc-inject on its own.", agreed=WHEN_SET, arms=UNLESS_OFF),
+    Setting("COC_MULTI_COPY", "multi_copy", ChunkCount(MULTI_COPY_ALLOWED), 1,
+            "Multi-copy parallel (MindSpore's micro_batch_interleave_num): each TransformerBlock call splits its "
+            "micro-batch into n copies along the batch and runs them in turns, one computing while another's "
+            "tensor-parallel collective is in flight, forward and backward. Arms coc-inject on its own.",
+            agreed=WHEN_SET, arms=UNLESS_OFF),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by the config.
     Setting("COC_CACHE_DIR", None, None, None,
             "Where the bootstrap keeps the byte code of `coc_inject/__init__.py` and `bootstrap.py` when their "
