@@ -148,9 +148,9 @@ def max_loss_diff(reference, result) -> float:
     return max(abs(a - b) for a, b in zip(reference["losses"], result["losses"]))
 
 
-def loss_line(label, reference, results) -> bool:
+def loss_line(label, reference, results, against="CP=1") -> bool:
     worst = max(max_loss_diff(reference, r) for r in results)
-    print(f"losses {label} vs CP=1 {'EQUAL' if worst <= LOSS_BOUND else 'DIFFERENT'} within {LOSS_BOUND:g} "
+    print(f"losses {label} vs {against} {'EQUAL' if worst <= LOSS_BOUND else 'DIFFERENT'} within {LOSS_BOUND:g} "
           f"(max |diff| {worst:.2e})")
     return worst <= LOSS_BOUND
 
@@ -303,6 +303,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", default="auto", help="COC_PARALLEL_NUM of the CoC runs (default auto)")
     parser.add_argument("--link-rate", default="1gbit", help="rate of the emulated link (default 1gbit)")
     parser.add_argument("--no-link", action="store_true", help="skip the emulated-link parts")
+    parser.add_argument("--copies-rounds", type=int, default=1,
+                        help="rounds of part 2b's interleaved multi-copy runs over the link (default 1)")
     parser.add_argument("--part", choices=("all", "coc", "cp"), default="all",
                         help="coc: parts 1-2 (CoC on the linears); cp: parts 3-4 (context parallelism)")
     parser.add_argument("--cp-steps", type=int, default=CP_STEPS, help=f"steps of the CP runs (default {CP_STEPS})")
@@ -350,6 +352,46 @@ def coc_parts(args) -> bool:
     with tempfile.TemporaryDirectory() as workdir, EmulatedLink(args.link_rate) as link:
         ok &= compare(f"Part 2: emulated {args.link_rate} link between the ranks (one core each), larger model",
                       workdir, LINK_STEPS, link, args.script_args or LINK_MODEL, args.chunks)
+        ok &= copies_link(workdir, link, args.link_rate, args.script_args or LINK_MODEL, args.copies_rounds)
+    return ok
+
+
+# Multi-copy over the link: each variant's environment (the same command), run interleaved.
+COPIES_VARIANTS = {"off": {}, "COC_MULTI_COPY=2": {"COC_MULTI_COPY": "2"},
+                   "COC_PARALLEL_NUM=auto": {"COC_PARALLEL_NUM": "auto"},
+                   "COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto": {"COC_MULTI_COPY": "2", "COC_PARALLEL_NUM": "auto"},
+                   "COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}}
+COPIES_TARGETS = {"COC_MULTI_COPY=2": 1.15, "COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto": 1.20}
+
+
+def copies_link(workdir, link, rate, script_args, rounds) -> bool:
+    """Part 2b: multi-copy parallel over the link, against off and CoC auto, interleaved."""
+    print(f"\n### Part 2b: multi-copy parallel over the emulated {rate} link (two copies of each micro-batch "
+          f"through every TransformerBlock, one computing while the other's collective is in flight), "
+          f"{rounds} round(s) of {', '.join(COPIES_VARIANTS)}", flush=True)
+    results = {name: [] for name in COPIES_VARIANTS}
+    for round_ in range(rounds):
+        for index, (name, extra) in enumerate(COPIES_VARIANTS.items()):
+            tag = f"copies-{index}-{round_}"
+            env = clean_env() if not extra else clean_env(
+                PYTHONPATH=str(SITE), COC_TUNE_CACHE=str(Path(workdir) / f"tune-{tag}.json"),
+                COC_REPORT=str(Path(workdir) / f"report-{tag}-{{rank}}.json"), **extra)
+            results[name].append(run(f"{name}: torchrun over the link", env, workdir, LINK_STEPS, link, script_args,
+                                     name=tag))
+    off = statistics.median(steady(r) for r in results["off"])
+    print(f"\n{'variant':<42} {'median step ms':>14} {'vs off':>7}")
+    ok = True
+    for name, runs in results.items():
+        median = statistics.median(steady(r) for r in runs)
+        target = COPIES_TARGETS.get(name)
+        print(f"{name:<42} {1e3 * median:14.1f} {off / median:6.3f}x"
+              + (f"  (target >= {target}x: {'met' if off / median >= target else 'missed'})" if target else ""))
+        if name != "off":
+            ok &= loss_line(name, results["off"][0], runs, against="off")
+    both, auto = (statistics.median(steady(r) for r in results[n])
+                  for n in ("COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto", "COC_PARALLEL_NUM=auto"))
+    print(f"COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto vs COC_PARALLEL_NUM=auto alone: {auto / both:.3f}x "
+          f"(target >= 1.05x: {'met' if auto / both >= 1.05 else 'missed'})")
     return ok
 
 
