@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from coc_inject import job
 from coc_inject.bench.saved import SavedBytes
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import groups, install, layout
@@ -127,8 +128,8 @@ def _skew_trials(name, seconds):
     """This rank's trial runs of the algorithm ``name`` take ``seconds`` longer (a real delay)."""
     from coc_inject.tuning import Tuner, cache_for
 
-    config = install._state["config"]
-    tuner = install._state["tuner"] = Tuner(config, cache_for(config))
+    config = job.current().config
+    tuner = job.current().tuners[job.ATTENTION] = Tuner(config, cache_for(config))
     decide = tuner.decide
 
     def skewed_decide(key, group, device, candidates, baseline, run, group_name="TP"):
@@ -190,7 +191,7 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
     plans = [m._coc_cp for m in model.modules() if getattr(m, "_coc_cp", None)]
     algorithms = sorted({plan.describe() for plan in plans})
     kernels = sorted({choice.name for plan in plans for choice in plan.kernels.values()})
-    tuner = install._state["tuner"]
+    tuner = job.current().tuners.get(job.ATTENTION)
     decisions = [] if tuner is None else [
         {"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
         for key, d in tuner.decisions.items()]
