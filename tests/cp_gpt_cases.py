@@ -191,10 +191,8 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
     plans = [m._coc_cp for m in model.modules() if getattr(m, "_coc_cp", None)]
     algorithms = sorted({plan.describe() for plan in plans})
     kernels = sorted({choice.name for plan in plans for choice in plan.kernels.values()})
-    tuner = job.current().tuners.get(job.ATTENTION)
-    decisions = [] if tuner is None else [
-        {"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
-        for key, d in tuner.decisions.items()]
+    decisions = [{"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
+                 for key, d in install.auto_decisions().items()]
     return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "algorithms": algorithms, "kernels": kernels, "decisions": decisions,
             "cp_ranks": list(parallel_state.get_context_parallel_global_ranks())}
