@@ -123,10 +123,11 @@ def current() -> Installation | None:
 
 def installation(config) -> Installation:
     """The installation for ``config``: the current one when it was made for this config, else a
-    new one (the current one undone first)."""
+    new one (a current one for another config undone first)."""
     global _installation
-    if _installation is None or _installation.config is not config:
+    if _installation is not None and _installation.config is not config:
         uninstall()
+    if _installation is None:
         _installation = Installation(config)
     return _installation
 
