@@ -154,7 +154,7 @@ def megatron_report(megatron, allow_untested: bool) -> str:
     """The megatron-core lines of ``status`` for a :class:`coc_inject.megatron_version.Megatron`
     (None: not importable): version, where it comes from, tested / untested / unsupported, guards."""
     from coc_inject import megatron_version as mv
-    from coc_inject.megatron_forward import GUARDS
+    from coc_inject.linear_guards import GUARDS
 
     if megatron is None:
         return "megatron-core     : not found (import megatron.core would fail on this sys.path)"

@@ -1,18 +1,26 @@
-"""This process's settings, loaded by whichever Megatron import hook fires first.
+"""This process's coc-inject job: its settings and its one installation.
 
-The hooks (linears, attention, parallel state) share one configuration: MindSpeed's flags are
-taken out of ``sys.argv`` once, by the first hook, before Megatron's own argument parser runs;
-the configuration is re-read when the ``COC_*`` environment changes (tests, tools that
-re-install in one process).
+The Megatron import hooks (linears, attention, parallel state) share both. The configuration:
+MindSpeed's flags are taken out of ``sys.argv`` once, by the first hook, before Megatron's own
+argument parser runs; it is re-read when the ``COC_*`` environment changes (tests, tools that
+re-install in one process). The :class:`Installation`: every attribute the hooks patched, the
+coverage and the auto tuners, so the linears' and the attention's calls land in one summary and
+one report, and :func:`uninstall` undoes all of it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 
-from coc_inject import log
+from coc_inject import log, megatron_version
+from coc_inject.coverage import Coverage
+from coc_inject.patches import Patches
+from coc_inject.pipeline import agreement
+
+LINEARS, ATTENTION = "linears", "attention"  # the wings, each with its own tuner
 
 _flags = None  # (MindSpeed CoC flags, MindSpeed CP flags) taken out of sys.argv
 _loaded = None  # (environment key, CocConfig)
@@ -55,3 +63,82 @@ def forget() -> None:
     """Back to before the first hook (tests)."""
     global _flags, _loaded
     _flags = _loaded = None
+
+
+def megatron_patchable(config) -> megatron_version.Megatron | None:
+    """The imported megatron-core when coc-inject may patch it for ``config``, else None; the
+    support warning is said once, whichever hook decides first."""
+    megatron = megatron_version.imported()
+    decision = megatron_version.support(megatron.version, config.allow_untested_megatron)
+    warning = megatron_version.support_warning(megatron, decision)
+    if warning is not None:
+        log.once(("megatron-support", warning), logging.WARNING, warning)
+    return megatron if decision in (megatron_version.TESTED, megatron_version.UNTESTED) else None
+
+
+class Installation:
+    """What the hooks put into this process for one configuration."""
+
+    def __init__(self, config):
+        self.config = config
+        self.patches = Patches()
+        self.engine = None  # the linears' megatron_forward.CocEngine, when they are patched
+        self.tuners: dict = {}  # wing -> tuning.Tuner, made at the wing's first auto call
+        self.patched_forwards: dict = {}  # linear class -> the forward put there (the coverage checks it)
+        self.coverage = None  # made by the first hook that counts calls, armed once
+
+    def armed_coverage(self) -> Coverage:
+        if self.coverage is None:
+            self.coverage = Coverage(self.config, self.patched_forwards)
+            self.coverage.decisions = lambda: self.decisions(LINEARS)
+            self.coverage.attention_decisions = lambda: self.decisions(ATTENTION)
+            self.coverage.arm()
+        return self.coverage
+
+    def tuner(self, wing: str):
+        tuner = self.tuners.get(wing)
+        if tuner is None:
+            from coc_inject.tuning import Tuner, cache_for  # torch: only once an auto call runs
+
+            tuner = self.tuners[wing] = Tuner(self.config, cache_for(self.config))
+        return tuner
+
+    def decisions(self, wing: str) -> dict:
+        tuner = self.tuners.get(wing)
+        return tuner.decisions if tuner is not None else {}
+
+    def uninstall(self) -> None:
+        self.patches.restore()
+        self.patched_forwards.clear()
+        if self.coverage is not None:
+            self.coverage.disarm()
+
+
+_installation: Installation | None = None
+
+
+def current() -> Installation | None:
+    return _installation
+
+
+def installation(config) -> Installation:
+    """The installation for ``config``: the current one when it was made for this config, else a
+    new one (a current one for another config undone first)."""
+    global _installation
+    if _installation is not None and _installation.config is not config:
+        uninstall()
+    if _installation is None:
+        _installation = Installation(config)
+    return _installation
+
+
+def uninstall(forget_said: bool = True) -> None:
+    """Undo the installation (every patch, the coverage's hooks) and the cross-rank agreements;
+    ``forget_said``: also forget which messages were said once, so a re-install reports afresh."""
+    global _installation
+    if _installation is not None:
+        _installation.uninstall()
+        _installation = None
+    agreement.forget()
+    if forget_said:
+        log.reset_once()

@@ -21,6 +21,21 @@ def _rank_tag() -> str:
     return f" rank {rank}" if rank is not None else ""
 
 
+def global_rank() -> int:
+    """This process's global rank from the launcher's environment (0 without one, or unreadable)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def configure(level: str = "info") -> None:
     """Attach the stderr handler once and set the level ("debug" | "info" | "warning" | "error")."""
     if not logger.handlers:

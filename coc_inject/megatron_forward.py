@@ -1,8 +1,11 @@
 """Wrapped forwards: turn one Megatron layer call into a CoC case, or fall back with a reason.
 
-This is the only module that knows Megatron's layer attributes. A call is routed to a CoC
-autograd Function only when every feature it uses is honoured; anything else goes to the
-layer's original forward and the reason is logged once per (layer class, reason).
+With linear_guards.py, the only module that knows Megatron's layer attributes. A call is
+routed to a CoC autograd Function only when every feature it uses is honoured; anything else
+goes to the layer's original forward and the reason is logged once per (layer class, reason).
+Row and Column calls take the same steps: their guards give a MegatronPath or nothing, then
+:meth:`CocEngine.plan` turns a :class:`LinearCall` into its route (routes.py: chunked, fused,
+tuned into one of those, or Megatron's path), which the forward runs and counts.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from typing import Callable
 
 import torch
 
-from coc_inject import coverage, log
+from coc_inject import job, log
 from coc_inject.config import AUTO, CocConfig
+from coc_inject.linear_guards import column_guards, row_guards
 from coc_inject.pipeline import agreement
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
@@ -30,6 +34,7 @@ from coc_inject.pipeline.functions import (
 from coc_inject.pipeline.layout import effective_chunks
 from coc_inject.pipeline.matmul import MatmulLayout
 from coc_inject.pipeline.schedules import Schedule
+from coc_inject.routes import AUTO_CHOSE_MEGATRON, Chunked, Fused, LayerCase, MegatronPath, Tuned
 
 
 @dataclass(frozen=True)
@@ -55,62 +60,6 @@ CASES = (
 FUSED_FALLBACK_CHUNKS = 4
 
 
-@dataclass(frozen=True)
-class Fallback:
-    """Why a call goes to Megatron's own forward. ``expected`` ones are logged at debug only."""
-
-    reason: str
-    expected: bool = False
-
-
-@dataclass(frozen=True)
-class Guard:
-    """A Megatron feature the engine checks for, because ignoring it would give a wrong result."""
-
-    feature: str
-    since: tuple  # first megatron-core (major, minor) that has it
-    handling: str
-
-
-GUARDS = (
-    Guard("tensor-parallel weight sharding (gtp_remat_size > 1)", (0, 19),
-          "Megatron's path: layer.weight is a shard that Megatron gathers before the matmul"),
-    Guard("output_dtype on ColumnParallelLinear", (0, 20),
-          "Megatron's path when it differs from the input dtype (the GEMM writes another dtype)"),
-    Guard("inference-optimized output all-gather (eval, gather_output)", (0, 18),
-          "handled: CoC's output is gathered by Megatron's inference all-gather"),
-    Guard("Megatron-FSDP parameters (__fsdp_param__) with gradient_accumulation_fusion", (0, 14),
-          "handled: wgrad is written into weight.get_main_grad(), as Megatron does"),
-    Guard("weight of another shape than the one CoC multiplies by", (0, 13),
-          "Megatron's path"),
-)
-
-
-def _weight_fallback(layer, weight, expected: tuple) -> Fallback | None:
-    gtp = getattr(layer, "gtp_remat_size", 1)
-    if isinstance(gtp, int) and gtp > 1:
-        return Fallback(f"tensor-parallel weight sharding (gtp_remat_size={gtp}): the weight is a shard "
-                        "Megatron gathers before the matmul")
-    if weight is not None and tuple(weight.shape) != expected:
-        return Fallback(f"weight shape {tuple(weight.shape)} is not the [{expected[0]}, {expected[1]}] "
-                        "this layer multiplies by")
-    return None
-
-
-def _common_fallback(layer, input_: torch.Tensor) -> Fallback | None:
-    tp_size = layer.tp_group.size() if layer.tp_group is not None else 1
-    if tp_size <= 1:
-        return Fallback("tensor-parallel size 1: no collective to overlap", expected=True)
-    if getattr(layer, "explicit_expert_comm", False):
-        return Fallback("expert layer: its communication is done by the MoE token dispatcher", expected=True)
-    offload = getattr(layer.config, "_cpu_offloading_context", None)
-    if offload is not None and getattr(offload, "inside_context", False):
-        return Fallback("activation CPU offloading is active for this call")
-    if not input_.is_floating_point():
-        return Fallback(f"input dtype {input_.dtype} is not floating point")
-    return None
-
-
 def _rows(input_) -> int:
     return input_.numel() // input_.shape[-1] if input_.dim() else 0
 
@@ -126,15 +75,46 @@ def column_shape(layer, input_) -> tuple:
     return _rows(input_) * tp, layer.input_size, layer.output_size_per_partition
 
 
-class CocEngine:
-    """Routes layer calls for one resolved configuration."""
 
-    def __init__(self, config: CocConfig):
+
+@dataclass
+class LinearCall:
+    """One Row or Column forward call, as :meth:`CocEngine.plan` needs it."""
+
+    layer: object
+    case: LayerCase
+    shape: tuple  # [m, k, n]
+    coc_input: torch.Tensor  # what CoC multiplies (Row: after Megatron's scatter of a non-parallel input)
+    megatron_input: torch.Tensor  # what Megatron's own forward takes
+    weight: torch.Tensor
+    rows: int  # the row count its chunks split (per rank under SP)
+    fused_op: str | None  # the op a fused kernel would run; None: this forward has no communication to fuse
+    run_coc: Callable  # (input, chunk count) -> output: one of the tuner's trials
+    run_megatron: Callable  # (input) -> output: Megatron's own path in the tuner's trials
+
+    @property
+    def group(self):
+        return self.layer.tp_group
+
+
+def _kernel(route):
+    """What the autograd Function takes: a chunk count or the FusedKernel."""
+    return route.kernel if isinstance(route, Fused) else route.chunks
+
+
+TUNED = Tuned()
+
+
+class CocEngine:
+    """Routes layer calls for one resolved configuration, in one installation (coc_inject.job)."""
+
+    def __init__(self, config: CocConfig, installation):
         self.config = config
+        self.installation = installation
         self.layout = MatmulLayout.from_config(config)
         self.calls = 0  # CoC calls made (status / tests); fallbacks are not counted
-        self.coverage = None  # coverage.Coverage, set by patching.install()
-        self.tuner = None  # tuning.Tuner, made at the first auto call
+        self.coverage = installation.armed_coverage()
+        self._counted_chunks: dict[int, Chunked] = {}  # one route object per count: no allocation per call
         if config.deterministic:
             # Read when the first communicator is built, so set before any kernel: ATB's LCCL
             # (deterministic tiling of its all-reduce) and HCCL (deterministic reductions; whether
@@ -142,126 +122,128 @@ class CocEngine:
             os.environ["LCCL_DETERMINISTIC"] = "1"
             os.environ["HCCL_DETERMINISTIC"] = "true"
 
-    # -- helpers ---------------------------------------------------------------------------
-    def _fall_back(self, layer, shape_of, fallback: Fallback, original: Callable, input_, *args, **kwargs):
-        level = logging.DEBUG if fallback.expected else logging.INFO
-        log.once((type(layer).__name__, fallback.reason), level,
-                 f"{type(layer).__name__}: Megatron's own forward is used: {fallback.reason}")
-        if self.coverage is not None:
-            self.coverage.count(layer, coverage.megatron(fallback.reason), input_, shape_of)
-        return original(layer, input_, *args, **kwargs)
+    @property
+    def tuner(self):
+        """COC_PARALLEL_NUM=auto's tuning.Tuner (None before the first auto call)."""
+        return self.installation.tuners.get(job.LINEARS)
 
-    def _count_coc(self, layer, shape_of, kernel, input_, rows: int) -> None:
-        """Count a call CoC ran; ``rows``: the row count its chunks split (per rank under SP)."""
-        self.calls += 1
-        if self.coverage is not None:
-            route = (coverage.fused(kernel.backend.name) if isinstance(kernel, FusedKernel)
-                     else coverage.chunked(effective_chunks(rows, kernel)))
-            self.coverage.count(layer, route, input_, shape_of)
-
-    def _chunks(self, layer, m: int, k: int, n: int) -> int | Fallback:
-        chunks = self.config.chunks_for(m, k, n)
-        if chunks == 1:
-            return Fallback(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
-        return chunks
-
-    def _fallback_chunks(self) -> int:
-        """Chunks of the pipelines that run where a fused kernel was asked for but cannot:
-        COC_PARALLEL_NUM if it names a count, else auto (tuned)."""
-        return self.config.parallel_num if self.config.parallel_num > 1 else AUTO
-
-    def _kernel(self, op: str, x2d, weight, group, chunks: int):
-        """The chunk count, or for ``chunks == -1`` (fused requested) a FusedKernel if a fused
-        backend can run this call; otherwise say why once and use the chunked pipeline."""
-        if chunks != -1:
-            return chunks
-        from coc_inject.fused import registry
-
-        fallback_chunks = self._fallback_chunks()
-        backend = registry.select(op, x2d, weight, group, self.config.fused_backend, "CoC",
-                                  "using the chunked pipeline with "
-                                  + ("auto-tuned chunks" if fallback_chunks == AUTO else f"{fallback_chunks} chunks"))
-        if backend is None:
-            return fallback_chunks
-        log.once(("fused", op, backend.name), logging.INFO, f"{op}: fused kernel {backend.name}")
-        # The fused forward's backward pipelines need a count before any call is tuned.
-        return FusedKernel(backend, fallback_chunks if fallback_chunks != AUTO else FUSED_FALLBACK_CHUNKS)
+    @tuner.setter
+    def tuner(self, tuner) -> None:
+        self.installation.tuners[job.LINEARS] = tuner
 
     def ensure_agreement(self, group, device):
         """The once-per-group cross-rank config check (runs on the first CoC call anyway)."""
         agreement.ensure_same_config(group, self.config, device)
 
-    # -- auto (COC_PARALLEL_NUM=auto) --------------------------------------------------------
-    def _tuned(self, layer, case: str, shape: tuple, inputs: tuple, weight, group, rows: int, kernel,
-               run_coc, run_megatron):
-        """``kernel`` itself, or for AUTO the count ``auto`` decided for this call's key (trials on
-        its first call); a Fallback when that is Megatron's own path (N=1).
+    # -- accounting ------------------------------------------------------------------------
+    def _fall_back(self, layer, shape_of, path: MegatronPath, original: Callable, input_, *args, **kwargs):
+        level = logging.DEBUG if path.expected else logging.INFO
+        log.once((type(layer).__name__, path.reason), level,
+                 f"{type(layer).__name__}: Megatron's own forward is used: {path.reason}")
+        if self.coverage is not None:
+            self.coverage.count(layer, path, input_, shape_of)
+        return original(layer, input_, *args, **kwargs)
 
-        ``inputs``: (CoC's input, Megatron's forward input): they differ for a Row layer whose
-        input Megatron scatters itself."""
-        if kernel != AUTO:
-            return kernel
-        from coc_inject.tuning import DecisionKey, Tuner, cache_for
+    def _count(self, call: LinearCall, route, shape_of) -> None:
+        """Count a call CoC ran; a chunked one by the chunks its rows really split into."""
+        self.calls += 1
+        if self.coverage is not None:
+            if isinstance(route, Chunked):
+                chunks = effective_chunks(call.rows, route.chunks)
+                route = self._counted_chunks.get(chunks) or self._counted_chunks.setdefault(chunks, Chunked(chunks))
+            self.coverage.count(call.layer, route, call.megatron_input, shape_of)
 
+    # -- the route of a call -----------------------------------------------------------------
+    def plan(self, call: LinearCall):
+        """The route of a call that passed its guards: Chunked, Fused, or MegatronPath (1 chunk
+        configured for its shape, or auto measured Megatron's path fastest)."""
+        m, k, n = call.shape
+        chunks = self.config.chunks_for(m, k, n)
+        if chunks == 1:
+            return MegatronPath(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
+        self.ensure_agreement(call.group, call.coc_input.device)
+        if chunks == -1:
+            route = self._fused(call)
+        else:
+            route = TUNED if chunks == AUTO else Chunked(chunks)
+        return self._tuned(call) if route is TUNED else route
+
+    def _unfused(self):
+        """The route where a fused kernel was asked for but cannot run: COC_PARALLEL_NUM's count
+        if it names one, else auto (tuned)."""
+        return Chunked(self.config.parallel_num) if self.config.parallel_num > 1 else TUNED
+
+    def _fused(self, call: LinearCall):
+        """A Fused route if a fused backend can run this call; otherwise say why once and chunk."""
+        unfused = self._unfused()
+        if call.fused_op is None:  # no communication to fuse in this forward; the backward is chunked
+            return unfused
+        from coc_inject.fused import registry
+
+        op, x2d = call.fused_op, call.coc_input.reshape(-1, call.coc_input.shape[-1])
+        backend = registry.select(op, x2d, call.weight, call.group, self.config.fused_backend, "CoC",
+                                  "using the chunked pipeline with "
+                                  + ("auto-tuned chunks" if unfused is TUNED else f"{unfused.chunks} chunks"))
+        if backend is None:
+            return unfused
+        log.once(("fused", op, backend.name), logging.INFO, f"{op}: fused kernel {backend.name}")
+        # The fused forward's backward pipelines need a count before any call is tuned.
+        backward_chunks = FUSED_FALLBACK_CHUNKS if unfused is TUNED else unfused.chunks
+        return Fused(backend.name, FusedKernel(backend, backward_chunks))
+
+    def _tuned(self, call: LinearCall):
+        """COC_PARALLEL_NUM=auto: the count decided for this call's key (trials on its first call),
+        or MegatronPath when that is Megatron's own path (N=1)."""
         if self.tuner is None:
-            self.tuner = Tuner(self.config, cache_for(self.config))
-        coc_input, megatron_input = inputs
+            self.installation.tuner(job.LINEARS)
+        from coc_inject.tuning import DecisionKey
+
+        layer, coc_input, weight, group = call.layer, call.coc_input, call.weight, call.group
         backward = torch.is_grad_enabled() and (coc_input.requires_grad or weight.requires_grad)
-        key = DecisionKey(case, *shape, str(coc_input.dtype).replace("torch.", ""), group.size(),
+        key = DecisionKey(call.case, *call.shape, str(coc_input.dtype).replace("torch.", ""), group.size(),
                           coc_input.device.type, backward)
 
         def run(chunks: int) -> None:
             # Detached input and gradient_accumulation_fusion off: a trial touches no parameter
             # gradient (autograd.grad returns only the input's), whichever path it runs.
-            x = (megatron_input if chunks == 1 else coc_input).detach().requires_grad_(backward)
+            x = (call.megatron_input if chunks == 1 else coc_input).detach().requires_grad_(backward)
             fusion, layer.gradient_accumulation_fusion = layer.gradient_accumulation_fusion, False
             try:
-                output = run_megatron(x) if chunks == 1 else run_coc(x, chunks)
+                output = call.run_megatron(x) if chunks == 1 else call.run_coc(x, chunks)
                 if backward:
                     torch.autograd.grad(output, [x], torch.ones_like(output))
             finally:
                 layer.gradient_accumulation_fusion = fusion
 
-        chunks = self.tuner.chunks(key, group, coc_input.device, rows, run)
+        chunks = self.tuner.chunks(key, group, coc_input.device, call.rows, run)
         if chunks == 1:
-            return Fallback(f"{coverage.AUTO_CHOSE_MEGATRON} (N=1) for [{shape[0]}, {shape[1]}, {shape[2]}]",
-                            expected=True)
-        return chunks
+            m, k, n = call.shape
+            return MegatronPath(f"{AUTO_CHOSE_MEGATRON} (N=1) for [{m}, {k}, {n}]", expected=True)
+        return Chunked(chunks)
 
     # -- RowParallelLinear -----------------------------------------------------------------
     def row_forward(self, original, layer, input_, *args, **kwargs):
-        if args or kwargs:
-            return self._fall_back(layer, row_shape, Fallback("unknown forward arguments (newer Megatron?)"),
-                                   original, input_, *args, **kwargs)
-        fallback = _common_fallback(layer, input_) or _weight_fallback(
-            layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
-        if fallback is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
-            fallback = Fallback(f"sequence length {input_.shape[0]} is not divisible by TP")
-        shape = row_shape(layer, input_)
-        chunks = self._chunks(layer, *shape)
-        fallback = fallback or (chunks if isinstance(chunks, Fallback) else None)
-        if fallback is not None:
-            return self._fall_back(layer, row_shape, fallback, original, input_)
-
+        path = row_guards(layer, input_, args, kwargs)
+        if path is not None:
+            return self._fall_back(layer, row_shape, path, original, input_, *args, **kwargs)
         from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 
-        group = layer.tp_group
+        group, sequence_parallel = layer.tp_group, layer.sequence_parallel
         input_parallel = (
             input_ if layer.input_is_parallel
             else scatter_to_tensor_model_parallel_region(input_, group=group)
         )
-        self.ensure_agreement(group, input_parallel.device)
-        op = "matmul_reduce_scatter" if layer.sequence_parallel else "matmul_all_reduce"
-        x2d = input_parallel.reshape(-1, input_parallel.shape[-1])
-        rows = x2d.shape[0] // group.size() if layer.sequence_parallel else x2d.shape[0]
-        kernel = self._tuned(
-            layer, "row-sp" if layer.sequence_parallel else "row", shape, (input_parallel, input_), layer.weight,
-            group, rows, self._kernel(op, x2d, layer.weight, group, chunks),
+        rows = _rows(input_parallel) // group.size() if sequence_parallel else _rows(input_parallel)
+        call = LinearCall(
+            layer, LayerCase.of(row=True, sequence_parallel=sequence_parallel), row_shape(layer, input_),
+            input_parallel, input_, layer.weight, rows,
+            "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce",
             lambda x, n: self._row_output(layer, x, n, group), lambda x: original(layer, x)[0])
-        if isinstance(kernel, Fallback):
-            return self._fall_back(layer, row_shape, kernel, original, input_)
-        output = self._row_output(layer, input_parallel, kernel, group)
-        self._count_coc(layer, row_shape, kernel, input_, rows)
+        route = self.plan(call)
+        if isinstance(route, MegatronPath):
+            return self._fall_back(layer, row_shape, route, original, input_)
+        output = self._row_output(layer, input_parallel, _kernel(route), group)
+        self._count(call, route, row_shape)
         if layer.skip_bias_add:
             return output, layer.bias
         return (output + layer.bias if layer.bias is not None else output), None
@@ -279,60 +261,27 @@ class CocEngine:
 
     # -- ColumnParallelLinear --------------------------------------------------------------
     def column_forward(self, original, layer, input_, weight=None, runtime_gather_output=None, *args, **kwargs):
-        def fall_back(fallback):
-            return self._fall_back(layer, column_shape, fallback, original, input_, weight, runtime_gather_output,
+        path = column_guards(self.config, layer, input_, weight, args, kwargs)
+        if path is not None:  # the caller's ``weight`` argument is passed on unchanged
+            return self._fall_back(layer, column_shape, path, original, input_, weight, runtime_gather_output,
                                    *args, **kwargs)
-
-        if args or kwargs:
-            return fall_back(Fallback("unknown forward arguments (newer Megatron?)"))
-        fallback = _common_fallback(layer, input_)
-        if fallback is not None:
-            return fall_back(fallback)
-        if layer.config.defer_embedding_wgrad_compute:
-            return fall_back(Fallback("defer_embedding_wgrad_compute keeps its own wgrad buffers"))
-        if getattr(layer, "disable_grad_reduce", False):
-            return fall_back(Fallback("disable_grad_reduce: the caller reduces gradients itself", expected=True))
-        sequence_parallel = layer.sequence_parallel
-        if not sequence_parallel and not self.config.enable_coc_in_column_backward:
-            return fall_back(Fallback(
-                "no sequence parallelism: forward has no communication and Megatron already "
-                "overlaps the backward all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 "
-                "chunks it)", expected=True))
-        output_dtype = getattr(layer, "output_dtype", None)
-        if output_dtype is not None and output_dtype != input_.dtype:
-            return fall_back(Fallback(f"output_dtype {output_dtype} differs from the input dtype {input_.dtype}"))
-        # The caller's ``weight`` argument is passed on unchanged by fall_back.
+        group, sequence_parallel = layer.tp_group, layer.sequence_parallel
         matrix = layer.weight if weight is None else weight
-        if matrix is None:
-            return fall_back(Fallback("no weight supplied (skip_weight_param_allocation)"))
-        fallback = _weight_fallback(layer, matrix, (layer.output_size_per_partition, layer.input_size))
-        if fallback is not None:
-            return fall_back(fallback)
-        shape = column_shape(layer, input_)
-        chunks = self._chunks(layer, *shape)
-        if isinstance(chunks, Fallback):
-            return fall_back(chunks)
 
-        group = layer.tp_group
-        self.ensure_agreement(group, input_.device)
-        kernel = chunks
-        if sequence_parallel:
-            kernel = self._kernel("all_gather_matmul", input_.reshape(-1, input_.shape[-1]), matrix, group, chunks)
-        elif chunks == -1:  # no communication to fuse in this forward; the backward is chunked
-            kernel = self._fallback_chunks()
-        rows = _rows(input_)
-        kernel = self._tuned(
-            layer, "column-sp" if sequence_parallel else "column-bwd", shape, (input_, input_), matrix, group,
-            rows, kernel,
-            lambda x, n: self._column_finish(layer, self._column_output(layer, x, matrix, n, group),
-                                             runtime_gather_output, group)[0],
+        def finish(output_parallel):
+            return self._column_finish(layer, output_parallel, runtime_gather_output, group)
+
+        call = LinearCall(
+            layer, LayerCase.of(row=False, sequence_parallel=sequence_parallel), column_shape(layer, input_),
+            input_, input_, matrix, _rows(input_), "all_gather_matmul" if sequence_parallel else None,
+            lambda x, n: finish(self._column_output(layer, x, matrix, n, group))[0],
             lambda x: original(layer, x, weight, runtime_gather_output)[0])
-        if isinstance(kernel, Fallback):
-            return fall_back(kernel)
-        output_parallel = self._column_output(layer, input_, matrix, kernel, group)
-        self._count_coc(layer, column_shape, kernel, input_, rows)
-        return self._column_finish(layer, output_parallel, runtime_gather_output, group)
-
+        route = self.plan(call)
+        if isinstance(route, MegatronPath):
+            return self._fall_back(layer, column_shape, route, original, input_, weight, runtime_gather_output)
+        output_parallel = self._column_output(layer, input_, matrix, _kernel(route), group)
+        self._count(call, route, column_shape)
+        return finish(output_parallel)
     def _column_output(self, layer, input_, matrix, kernel, group):
         tp_size = group.size()
         if layer.sequence_parallel:

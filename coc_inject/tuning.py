@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import log
+from coc_inject.routes import LayerCase
 
 TIMED_ROUNDS = 3
 NOISE_FLOOR = 0.03  # a CoC count must be at least 3% faster than Megatron's path
@@ -43,7 +44,7 @@ NOISE_FLOOR = 0.03  # a CoC count must be at least 3% faster than Megatron's pat
 
 @dataclass(frozen=True)
 class DecisionKey:
-    case: str  # row | row-sp | column-sp | column-bwd
+    case: LayerCase  # or its value
     m: int
     k: int
     n: int

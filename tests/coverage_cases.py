@@ -38,7 +38,7 @@ class Block(torch.nn.Module):
 def one_step(*, sequence_parallel=True, te=False, replace_row_forward=False, config_options=None, steps=1):
     """Build Model(decoder.layers.0 = Block), install CoC, train ``steps`` steps; returns the log
     lines at INFO and above and the coverage report."""
-    from coc_inject import log, patching
+    from coc_inject import job, log, patching
     from coc_inject.config import CocConfig
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
@@ -68,7 +68,7 @@ def one_step(*, sequence_parallel=True, te=False, replace_row_forward=False, con
     assert patching.install(CocConfig(**{"parallel_num": 2, **(config_options or {})}))
     try:
         if replace_row_forward:
-            _MEGATRON_ROW_FORWARD[:] = [patching._originals[RowParallelLinear]]
+            _MEGATRON_ROW_FORWARD[:] = [job.current().patches.original(RowParallelLinear, "forward")]
             RowParallelLinear.forward = other_patch
         coverage = patching.engine().coverage
         for _ in range(steps):

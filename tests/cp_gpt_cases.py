@@ -15,6 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from coc_inject import job
 from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
 from coc_inject.bench.saved import SavedBytes
 from coc_inject.config import CocConfig
@@ -118,8 +119,8 @@ def _skew_trials(name, seconds):
     """This rank's trial runs of the algorithm ``name`` take ``seconds`` longer (a real delay)."""
     from coc_inject.tuning import Tuner, cache_for
 
-    config = install._state["config"]
-    tuner = install._state["tuner"] = Tuner(config, cache_for(config))
+    config = job.current().config
+    tuner = job.current().tuners[job.ATTENTION] = Tuner(config, cache_for(config))
     decide = tuner.decide
 
     def skewed_decide(key, group, device, candidates, baseline, run, group_name="TP"):
@@ -181,10 +182,8 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
     plans = [m._coc_cp for m in model.modules() if getattr(m, "_coc_cp", None)]
     algorithms = sorted({plan.describe() for plan in plans})
     kernels = sorted({choice.name for plan in plans for choice in plan.kernels.values()})
-    tuner = install._state["tuner"]
-    decisions = [] if tuner is None else [
-        {"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
-        for key, d in tuner.decisions.items()]
+    decisions = [{"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
+                 for key, d in install.auto_decisions().items()]
     return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "algorithms": algorithms, "kernels": kernels, "decisions": decisions,
             "cp_ranks": list(parallel_state.get_context_parallel_global_ranks())}

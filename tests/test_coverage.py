@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coc_inject import coverage
+from coc_inject import coverage, routes
 from coc_inject.config import CocConfig
 from scope import newest_only
 
@@ -112,8 +112,8 @@ def test_qualified_names_drop_wrappers():
     for module in (root, root.module, root.module.module):
         for name, child in module._modules.items():
             parents[id(child)] = (module, name)
-    assert coverage._qualified_name(leaf, parents) == "output_layer"
-    assert coverage._qualified_name(root, parents) is None
+    assert coverage.qualified_name(leaf, parents) == "output_layer"
+    assert coverage.qualified_name(root, parents) is None
 
 
 def _coverage(tmp_path, report):
@@ -259,11 +259,11 @@ def test_cli_report_prints_a_table(tmp_path):
 def test_a_freed_layers_calls_stay_in_the_report():
     cov = coverage.Coverage(CocConfig(parallel_num=4), {})
     first = torch.nn.Linear(2, 2)
-    cov.count(first, coverage.chunked(4), None, lambda layer, x: (8, 2, 2))
+    cov.count(first, routes.Chunked(4), None, lambda layer, x: (8, 2, 2))
     second = torch.nn.Linear(2, 2)
     cov.records[id(second)] = cov.records.pop(id(first))  # as if second had been given first's id
     del first
-    cov.count(second, coverage.megatron("why"), None, lambda layer, x: (4, 2, 2))
+    cov.count(second, routes.MegatronPath("why"), None, lambda layer, x: (4, 2, 2))
     report = cov.report()
     assert sorted((layer["route"], layer["calls"], layer["shape"]) for layer in report["layers"]) == [
         ("chunked", 1, [8, 2, 2]), ("megatron", 1, [4, 2, 2])]
@@ -277,10 +277,10 @@ def test_flash_attention_that_never_ran_is_warned_about():
 
     layer = Attention()
     accounting = coverage.Coverage(CocConfig(flash_attn=True), {})
-    accounting.count_attention(layer, coverage.MEGATRON_ATTENTION, 1, "a padding mask")
+    accounting.count_attention(layer, routes.AttentionRoute(routes.MEGATRON_ATTENTION, 1, reason="a padding mask"))
     assert any(line.startswith("COC_FLASH_ATTN=1 but no attention call ran the fused kernel") for line in
                accounting.warnings())
-    accounting.count_attention(layer, "local", 1, "cpu-flash")
+    accounting.count_attention(layer, routes.AttentionRoute("local", 1, kernel="cpu-flash"))
     assert not any("COC_FLASH_ATTN" in line for line in accounting.warnings())
     assert accounting.attention_summary() == ("fused attention on 1 layers (Megatron's attention for: a padding mask; "
                                             "kernel cpu-flash): 2 calls")

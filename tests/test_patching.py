@@ -125,6 +125,35 @@ def test_tested_megatron_version_is_patched_without_warning(monkeypatch):
     assert warnings == []
 
 
+def test_uninstall_restores_every_attribute_both_wings_patched(monkeypatch):
+    # The bootstrap's three hooks on the real classes: one installation, shared by both wings.
+    from megatron.core import parallel_state
+    from megatron.core.transformer import dot_product_attention
+
+    from coc_inject import job
+    from coc_inject.context_parallel import install as attention_install
+
+    attention = dot_product_attention.DotProductAttention
+    watched = [(cls, "forward") for cls in CLASSES] + [
+        (attention, "__init__"), (attention, "forward"),
+        (parallel_state, "initialize_model_parallel"), (parallel_state, "destroy_model_parallel")]
+    before = [vars(owner)[name] for owner, name in watched]
+    monkeypatch.setenv("COC_PARALLEL_NUM", "4")
+    monkeypatch.setenv("COC_CP_ALGO", "ring")
+    try:
+        attention_install.on_parallel_state_imported(parallel_state)
+        patching.on_layers_imported(layers)
+        attention_install.on_attention_imported(dot_product_attention)
+        installation = job.current()
+        assert sorted(map(repr, installation.patches.patched())) == sorted(map(repr, watched))
+        assert all(vars(owner)[name] is not original for (owner, name), original in zip(watched, before))
+        assert patching.engine().coverage is installation.coverage is not None
+    finally:
+        patching.uninstall()
+    assert [vars(owner)[name] for owner, name in watched] == before
+    assert job.current() is None and not patching.is_installed()
+
+
 @pytest.mark.parametrize("version,allow,support", [
     ("0.13.1", False, "tested"), ("0.16.1", False, "tested"), ("0.17.1", False, "tested"),
     ("0.18.2", False, "tested"), ("0.19.2", False, "tested"), ("0.19.3rc0", False, "tested"),
@@ -139,7 +168,7 @@ def test_version_gate(version, allow, support):
 
 def test_status_lists_the_guards_of_the_installed_release():
     from coc_inject.cli import megatron_report
-    from coc_inject.megatron_forward import GUARDS
+    from coc_inject.linear_guards import GUARDS
 
     def found(version):
         return megatron_version.Megatron(version, "/checkout/megatron/core")

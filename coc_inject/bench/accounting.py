@@ -36,11 +36,12 @@ def measure_count(reps: int, calls: int) -> dict:
 
     from coc_inject import coverage
     from coc_inject.config import CocConfig
+    from coc_inject.routes import Chunked
 
     cov = coverage.Coverage(CocConfig(parallel_num=4), {})
     layer = torch.nn.Linear(8, 8)
     x = torch.zeros(4, 8)
-    key = coverage.chunked(4)
+    key = Chunked(4)
 
     def shape_of(layer, input_):
         return (4, 8, 8)

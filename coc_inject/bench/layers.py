@@ -23,6 +23,7 @@ import torch.distributed as dist
 from coc_inject import patching
 from coc_inject.config import AUTO, CocConfig
 from coc_inject.pipeline import collectives, schedules
+from coc_inject.routes import LayerCase
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,13 @@ class BenchCase:
 CASES = {
     case.name: case
     for case in (
-        BenchCase("row", "row", False, "Row mm+AR", "all_reduce"),
-        BenchCase("row-sp", "row", True, "Row SP mm+RS", "reduce_scatter"),
-        BenchCase("column-sp", "column", True, "Column SP AG+mm", "all_gather"),
-        BenchCase("column-bwd", "column", False, "Column dgrad+AR (bwd)", "none"),
+        BenchCase(LayerCase.ROW, "row", False, "Row mm+AR", "all_reduce"),
+        BenchCase(LayerCase.ROW_SP, "row", True, "Row SP mm+RS", "reduce_scatter"),
+        BenchCase(LayerCase.COLUMN_SP, "column", True, "Column SP AG+mm", "all_gather"),
+        BenchCase(LayerCase.COLUMN_BWD, "column", False, "Column dgrad+AR (bwd)", "none"),
     )
 }
-DEFAULT_CASES = ("row", "row-sp", "column-sp")
+DEFAULT_CASES = (LayerCase.ROW, LayerCase.ROW_SP, LayerCase.COLUMN_SP)
 AUTO_VARIANT = "auto"
 
 
@@ -267,7 +268,7 @@ def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int =
     * ``total_us``: their sum.
     """
     def forward_time(chunks):
-        layer, x = build_layer(CASES["row"], rows_per_chunk * chunks, 32, 32, dtype, device)
+        layer, x = build_layer(CASES[LayerCase.ROW], rows_per_chunk * chunks, 32, 32, dtype, device)
         _install(f"N={chunks}")
         try:
             layer(x)  # the one-time config agreement happens here, with the real collective

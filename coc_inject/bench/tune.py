@@ -39,8 +39,9 @@ from coc_inject import log, patching
 from coc_inject.bench import ranks, tune_attention, tune_report
 from coc_inject.bench.ranks import Setup
 from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
+from coc_inject.routes import CASE_NAMES, LayerCase
 
-CASES = ("row", "row-sp", "column-sp", "column-bwd")
+CASES = CASE_NAMES
 SHAPE_ALLOWED = (f"CASE:M,K,N with CASE one of {', '.join(CASES)} and M, K, N integers >= 1 "
                  "(the engine's [m, k, n]: Row k = input size / TP; Column m = all rows, n = output size / TP)")
 MODEL_OPTIONS = ("hidden", "ffn", "seq", "micro_batch")
@@ -177,13 +178,13 @@ def model_targets(args, tp: int, error, cp: int = 1) -> tuple[list, list]:
     if sp and (args.seq // cp) % tp:
         sizes = "--tp" if cp == 1 else "--tp x --cp"
         error(f"--seq={args.seq} is invalid: expected a multiple of {sizes}, with --sequence-parallel ({tp * cp})")
-    row, column = ("row-sp", "column-sp") if sp else ("row", "column-bwd")
+    row, column = (LayerCase.ROW_SP, LayerCase.COLUMN_SP) if sp else (LayerCase.ROW, LayerCase.COLUMN_BWD)
     fc1 = (2 if args.swiglu else 1) * ffn
     layers = [("linear_qkv", column, m, hidden, qkv // tp), ("linear_proj", row, m, hidden // tp, hidden),
               ("linear_fc1", column, m, hidden, fc1 // tp), ("linear_fc2", row, m, ffn // tp, hidden)]
     notes = []
     if not sp and not args.column_backward:
-        layers = [layer for layer in layers if layer[1] != "column-bwd"]
+        layers = [layer for layer in layers if layer[1] != LayerCase.COLUMN_BWD]
         notes.append("linear_qkv, linear_fc1: without sequence parallelism a column-parallel forward has no "
                      "communication and CoC leaves them to Megatron unless COC_ENABLE_IN_COLUMN_BACKWARD=1 "
                      "(--column-backward tunes them)")
@@ -236,7 +237,7 @@ def resolve(args, parser, environ) -> Plan:
     if tp < 2 and targets:
         targets, notes = [], ["TP 1: the linears have no collective to overlap; only the attention is tuned"]
     for target in shapes:
-        if target.case in ("row-sp", "column-sp") and target.m % tp:
+        if LayerCase(target.case).sequence_parallel and target.m % tp:
             parser.error(f"--shape={target.case}:{target.m},{target.k},{target.n} is invalid: m={target.m} is "
                          f"not a multiple of --tp ({tp}) (sequence parallelism splits the rows over the TP ranks)")
     targets += shapes

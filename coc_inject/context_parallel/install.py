@@ -7,6 +7,9 @@ the two post-import hooks that do it (registered by bootstrap).
   fused attention kernel (Megatron's code for a call that kernel cannot run exactly, with a reason).
 * ``megatron.core.parallel_state``: ``initialize_model_parallel`` also makes hybrid's Ulysses
   groups (groups.py), where every rank passes; ``destroy_model_parallel`` destroys them.
+
+The attention's wing of the job's installation (coc_inject.job): patches, coverage and the
+COC_CP_ALGO=auto tuner live there, shared with the linears' wing.
 """
 
 from __future__ import annotations
@@ -14,42 +17,31 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import os
 
-from coc_inject import coverage as coverage_module, job, log, megatron_version
+from coc_inject import job, log
 from coc_inject.context_parallel import attention, groups
-
-_originals: dict = {}  # (owner, attribute name) -> original
-_state = {"config": None, "coverage": None, "tuner": None}
+from coc_inject.routes import MEGATRON_ATTENTION, AttentionRoute
 
 
-def _patch(owner, name, replacement) -> None:
-    _originals[(owner, name)] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    setattr(owner, name, replacement)
-
-
-def install(config, attention_module=None, parallel_state=None, coverage=None) -> None:
-    """Patch the attention class (and, when given, parallel_state) for ``config``. Idempotent."""
+def install(config, attention_module=None, parallel_state=None) -> None:
+    """Patch the attention class (and, when given, parallel_state) for ``config``, counting no
+    calls (tests, ``coc-inject tune``; the import hooks count). Idempotent."""
     uninstall()
-    _state.update(config=config, coverage=coverage, tuner=None)
+    installation = job.installation(config)
     if parallel_state is not None:
-        _patch_parallel_state(parallel_state)
+        _patch_parallel_state(installation, parallel_state)
     if attention_module is not None:
-        _patch_attention(attention_module.DotProductAttention, config)
+        _patch_attention(installation, attention_module.DotProductAttention)
 
 
 def uninstall() -> None:
-    from coc_inject.pipeline import agreement
-
-    agreement.forget()  # a re-install with other settings agrees afresh
-    for (owner, name), original in _originals.items():
-        setattr(owner, name, original)
-    _originals.clear()
-    _state.update(config=None, coverage=None, tuner=None)  # Ulysses groups live until destroy_model_parallel
+    """Undo the job's installation (Ulysses groups live until destroy_model_parallel)."""
+    job.uninstall(forget_said=False)
 
 
-def _patch_attention(cls, config) -> None:
-    original_init, original_forward = cls.__dict__["__init__"], cls.__dict__["forward"]
+def _patch_attention(installation, cls) -> None:
+    config, patches = installation.config, installation.patches
+    original_init, original_forward = patches.original(cls, "__init__"), patches.original(cls, "forward")
     signature = inspect.signature(original_init)
     from megatron.core import parallel_state
 
@@ -65,7 +57,7 @@ def _patch_attention(cls, config) -> None:
             self._coc_cp = None
             original_init(self, *args, **kwargs)
             if megatron_config.context_parallel_size == 1 and type(self).forward is cls.__dict__["forward"]:
-                self._coc_cp = _flash_plan(self, megatron_config, bound.get("attention_dropout"))
+                self._coc_cp = _flash_plan(config, self, megatron_config, bound.get("attention_dropout"))
             return
         pgs = bound.get("pg_collection") or bound.get("model_comm_pgs")
         cp_group = getattr(pgs, "cp", None) or parallel_state.get_context_parallel_group(check_initialized=False)
@@ -99,32 +91,32 @@ def _patch_attention(cls, config) -> None:
         except attention.ContextParallelError as exc:
             if not plan.local:
                 raise
-            return _megatron_instead(self, str(exc), megatron_forward)
+            return _megatron_instead(installation, self, str(exc), megatron_forward)
         if not plan.local:
-            _agree(plan, query.device)
+            _agree(config, plan, query.device)
         kernel = attention.kernel_for(plan, query, _layer_name(self)).kernel
-        variant = _auto_choice(self, plan, query, key, value, causal, kernel) if plan.auto else plan.variants[0]
+        variant = _auto_choice(installation, self, plan, query, key, value, causal, kernel) if plan.auto \
+            else plan.variants[0]
         out = attention.run(plan, variant, query, key, value, causal, kernel)
-        coverage = _state["coverage"]
+        coverage = installation.coverage
         if coverage is not None:
-            coverage.count_attention(self, variant.describe() + (" (auto)" if plan.auto else ""), plan.cp_size,
-                                     kernel.name)
+            coverage.count_attention(self, AttentionRoute(variant.describe() + (" (auto)" if plan.auto else ""),
+                                                          plan.cp_size, kernel.name))
         s, b, heads, d = query.shape
         return out.reshape(s, b, heads * d)
 
     __init__.__coc_inject__ = forward.__coc_inject__ = True
-    _patch(cls, "__init__", __init__)
-    _patch(cls, "forward", forward)
+    patches.patch(cls, "__init__", __init__)
+    patches.patch(cls, "forward", forward)
 
 
 def _layer_name(layer) -> str:
     return f"attention layer {getattr(layer, 'layer_number', '?')}"
 
 
-def _flash_plan(layer, megatron_config, attention_dropout):
+def _flash_plan(config, layer, megatron_config, attention_dropout):
     """COC_FLASH_ATTN's plan for a layer built with CP = 1, or None (Megatron's attention, said once)."""
-    config = _state["config"]
-    if config is None or not config.flash_attn:
+    if not config.flash_attn:
         return None
     feature = attention.unsupported_feature(megatron_config, attention_dropout)
     if feature is not None:
@@ -137,50 +129,44 @@ def _flash_plan(layer, megatron_config, attention_dropout):
     return plan
 
 
-def _megatron_instead(layer, reason: str, megatron_forward):
+def _megatron_instead(installation, layer, reason: str, megatron_forward):
     """COC_FLASH_ATTN: a call the fused kernel cannot run exactly runs Megatron's attention (said once)."""
     log.once(("flash-attn-call", reason), logging.WARNING,
              f"COC_FLASH_ATTN: Megatron's local attention runs this call instead: {reason}")
-    coverage = _state["coverage"]
-    if coverage is not None:
-        coverage.count_attention(layer, coverage_module.MEGATRON_ATTENTION, 1, reason)
+    if installation.coverage is not None:
+        installation.coverage.count_attention(layer, AttentionRoute(MEGATRON_ATTENTION, 1, reason=reason))
     return megatron_forward()
 
 
-def _auto_choice(layer, plan, query, key, value, causal, kernel):
+def _auto_choice(installation, layer, plan, query, key, value, causal, kernel):
     from coc_inject.context_parallel import auto
-    from coc_inject.tuning import Tuner, cache_for
 
-    if _state["tuner"] is None:
-        config = _state["config"]
-        tuner = _state["tuner"] = Tuner(config, cache_for(config))
-        if _state["coverage"] is not None:
-            _state["coverage"].attention_decisions = lambda: tuner.decisions
-    return auto.choose(_state["tuner"], plan, query, key, value, causal, layer.config.tensor_model_parallel_size,
-                       kernel)
+    return auto.choose(installation.tuner(job.ATTENTION), plan, query, key, value, causal,
+                       layer.config.tensor_model_parallel_size, kernel)
 
 
 def auto_decisions() -> dict:
     """COC_CP_ALGO=auto's decisions of this process so far: {AttentionKey: Decision}."""
-    tuner = _state["tuner"]
-    return dict(tuner.decisions) if tuner is not None else {}
+    installation = job.current()
+    return dict(installation.decisions(job.ATTENTION)) if installation is not None else {}
 
 
-def _agree(plan, device) -> None:
+def _agree(config, plan, device) -> None:
     """Every rank of the CP group runs the same settings (the first call on each group checks)."""
     from coc_inject.pipeline import agreement
 
-    agreement.ensure_same_config(plan.cp_group, _state["config"], device, f"COC_CP_ALGO -> {plan.describe()}, ")
+    agreement.ensure_same_config(plan.cp_group, config, device, f"COC_CP_ALGO -> {plan.describe()}, ")
 
 
-def _patch_parallel_state(parallel_state) -> None:
-    original_init, original_destroy = parallel_state.initialize_model_parallel, parallel_state.destroy_model_parallel
+def _patch_parallel_state(installation, parallel_state) -> None:
+    patches = installation.patches
+    original_init = patches.original(parallel_state, "initialize_model_parallel")
+    original_destroy = patches.original(parallel_state, "destroy_model_parallel")
 
     @functools.wraps(original_init)
     def initialize_model_parallel(*args, **kwargs):
         result = original_init(*args, **kwargs)
-        config = _state["config"]
-        groups.make_configured(config.cp_ulysses_degree if config is not None else None, parallel_state)
+        groups.make_configured(installation.config.cp_ulysses_degree, parallel_state)
         return result
 
     @functools.wraps(original_destroy)
@@ -188,8 +174,8 @@ def _patch_parallel_state(parallel_state) -> None:
         groups.release()
         return original_destroy(*args, **kwargs)
 
-    _patch(parallel_state, "initialize_model_parallel", initialize_model_parallel)
-    _patch(parallel_state, "destroy_model_parallel", destroy_model_parallel)
+    patches.patch(parallel_state, "initialize_model_parallel", initialize_model_parallel)
+    patches.patch(parallel_state, "destroy_model_parallel", destroy_model_parallel)
 
 
 # -- the post-import hooks ----------------------------------------------------------------------
@@ -200,34 +186,25 @@ def _wanted():
     config = job.config()
     if not config.attention_armed:
         return None
-    megatron = megatron_version.imported()
-    decision = megatron_version.support(megatron.version, config.allow_untested_megatron)
-    warning = megatron_version.support_warning(megatron, decision)
-    if warning is not None:
-        log.once(("megatron-support", warning), logging.WARNING, warning)
-    return config if decision in (megatron_version.TESTED, megatron_version.UNTESTED) else None
+    return config if job.megatron_patchable(config) is not None else None
 
 
 def on_parallel_state_imported(module) -> None:
     config = _wanted()
     if config is not None:
-        _state["config"] = config
-        _patch_parallel_state(module)
+        _patch_parallel_state(job.installation(config), module)
 
 
 def on_attention_imported(module) -> None:
     config = _wanted()
     if config is None:
         return
-    from coc_inject import patching
-
-    engine = patching.engine()
-    coverage = engine.coverage if engine is not None else patching.standalone_coverage(config)
-    _state.update(config=config, coverage=coverage)
-    _patch_attention(module.DotProductAttention, config)
+    installation = job.installation(config)
+    installation.armed_coverage()
+    _patch_attention(installation, module.DotProductAttention)
     from megatron.core import parallel_state
 
-    level = logging.INFO if os.environ.get("RANK", "0") == "0" else logging.DEBUG
+    level = logging.INFO if log.global_rank() == 0 else logging.DEBUG
     initialized = parallel_state.model_parallel_is_initialized()
     log.logger.log(level, banner(config, parallel_state.get_context_parallel_world_size() if initialized else None))
 

@@ -1,0 +1,84 @@
+"""The hot path of the coverage: each layer call counted under its route, per live layer.
+
+One dict lookup and one increment per call (``make bench-accounting`` measures it). A route is
+one of :mod:`coc_inject.routes`' frozen dataclasses, so the totals below ask for a kind of route
+by its type, never by a slot of a key.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from coc_inject.routes import COUNTED, AttentionRoute, Chunked, Fused, MegatronPath
+
+
+@dataclass
+class LayerRecord:
+    """One layer's calls, by route."""
+
+    layer: weakref.ref
+    cls: str
+    shape: list  # [m, k, n] of its first call ([] for attention)
+    routes: dict = field(default_factory=dict)
+    name: str | None = None
+
+
+def _no_shape(layer, input_) -> list:
+    return []
+
+
+class Counts:
+    """Calls per layer and route; a freed layer's record is kept (its id may be reused)."""
+
+    def __init__(self):
+        self.records: dict[int, LayerRecord] = {}  # by id() of the live layer
+        self._retired: list[LayerRecord] = []
+
+    def count(self, layer, route, input_, shape_of) -> None:
+        record = self.records.get(id(layer))
+        if record is None or record.layer() is not layer:
+            record = self._new_record(layer, input_, shape_of)
+        routes = record.routes
+        routes[route] = routes.get(route, 0) + 1
+
+    def count_attention(self, layer, route: AttentionRoute) -> None:
+        self.count(layer, route, None, _no_shape)
+
+    def _new_record(self, layer, input_, shape_of) -> LayerRecord:
+        record = LayerRecord(weakref.ref(layer), type(layer).__name__, list(shape_of(layer, input_)))
+        previous = self.records.get(id(layer))
+        if previous is not None:  # a freed layer's id, reused: keep what it did
+            self._retired.append(previous)
+        self.records[id(layer)] = record
+        return record
+
+    def all_records(self) -> list:
+        return self._retired + list(self.records.values())
+
+    def calls_by_route(self) -> dict:
+        """{route name: calls}, every kind named (the report's "calls")."""
+        totals = {kind.name: 0 for kind in COUNTED}
+        for record in self.all_records():
+            for route, calls in record.routes.items():
+                totals[route.name] += calls
+        return totals
+
+    def routes_of(self, kind) -> dict:
+        """{route: calls} over all layers, for routes of type ``kind``."""
+        found: dict = {}
+        for record in self.all_records():
+            for route, calls in record.routes.items():
+                if type(route) is kind:
+                    found[route] = found.get(route, 0) + calls
+        return found
+
+    def coc_layers(self) -> int:
+        return sum(1 for r in self.all_records() if any(isinstance(route, (Chunked, Fused)) for route in r.routes))
+
+    def any_call(self) -> bool:
+        return any(r.routes for r in self.all_records())
+
+    def megatron_reasons(self) -> dict:
+        """{reason: calls} of the calls that went to Megatron's own forward, in first-seen order."""
+        return {route.reason: calls for route, calls in self.routes_of(MegatronPath).items()}

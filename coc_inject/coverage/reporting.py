@@ -1,0 +1,136 @@
+"""What the coverage says: the first-step summary line, its warnings and the COC_REPORT schema.
+
+Pure text and data from a :class:`~coc_inject.coverage.Coverage`'s counts, model view and
+decisions; when it is said or written is :mod:`coc_inject.coverage.ending`'s business.
+"""
+
+from __future__ import annotations
+
+import os
+
+from coc_inject import log, megatron_version
+from coc_inject.routes import AUTO_CHOSE_MEGATRON, AttentionRoute, Chunked, Fused, MegatronPath
+
+REPORT_VERSION = 1
+
+
+def _attention_kind(route: AttentionRoute) -> str:
+    if route.megatron_instead:
+        return f"{route.algorithm} for: {route.reason}"
+    return (f"{route.algorithm}, CP={route.cp_size}, " if route.cp_size > 1 else "") + f"kernel {route.kernel}"
+
+
+def attention_summary(coverage) -> str | None:
+    """"context parallelism on 2 attention layers (ring, CP=2, kernel cpu-flash): 4 calls" and/or
+    "fused attention on 2 layers (kernel cpu-flash): 4 calls" (COC_FLASH_ATTN), None without such calls."""
+    parts = []
+    for title, at_cp1 in (("context parallelism on {} attention layers", False), ("fused attention on {} layers",
+                                                                                  True)):
+        layers, calls, kinds = 0, 0, set()
+        for record in coverage.all_records():
+            mine = {route: n for route, n in record.routes.items()
+                    if isinstance(route, AttentionRoute) and (route.cp_size == 1) == at_cp1}
+            layers += bool(mine)
+            calls += sum(mine.values())
+            kinds.update(_attention_kind(route) for route in mine)
+        if layers:
+            parts.append(f"{title.format(layers)} ({'; '.join(sorted(kinds))}): {calls} calls")
+    return "; ".join(parts) or None
+
+
+def summary_line(coverage) -> str:
+    totals = coverage.calls_by_route()
+    model = coverage.model
+    tp_layers = model.local_layers + sum(model.foreign_layers.values())
+    chunked, fused, megatron = totals[Chunked.name], totals[Fused.name], totals[MegatronPath.name]
+    routes = [f"{chunked} chunked ({_chunk_counts(coverage)})" if chunked else None,
+              f"{fused} fused" if fused else None,
+              f"{megatron} Megatron's own" if megatron else None]
+    attention = attention_summary(coverage)
+    if coverage.config.enabled:
+        text = (f"first step: CoC on {coverage.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
+                + (", ".join(r for r in routes if r) or "none")) + (f"; {attention}" if attention else "")
+    else:
+        text = f"first step: {attention or 'no attention call ran with context parallelism'} (TP linears: CoC off)"
+    reasons = coverage.megatron_reasons()
+    if reasons:
+        text += "; Megatron's path because: " + "; ".join(f"{why} ({n} calls)" for why, n in reasons.items())
+    return text
+
+
+def warnings(coverage) -> list:
+    config, model = coverage.config, coverage.model
+    lines = []
+    if model.foreign_layers:
+        counts = ", ".join(f"{n} {name}" for name, n in sorted(model.foreign_layers.items()))
+        lines.append(f"the model has tensor-parallel linears of Transformer Engine classes ({counts}) that "
+                     "CoC does not see: CoC covers Megatron's local layers (--transformer-impl local); "
+                     "Transformer Engine has its own overlap (--tp-comm-overlap)")
+    totals = coverage.calls_by_route()
+    reasons = coverage.megatron_reasons()
+    auto_stepped_aside = bool(reasons) and all(reason.startswith(AUTO_CHOSE_MEGATRON) for reason in reasons)
+    if config.cp_algo is not None and not totals[AttentionRoute.name]:
+        lines.append(f"COC_CP_ALGO={config.cp_algo} but no attention call ran with context parallelism "
+                     "during the first step (context_parallel_size 1, or no local DotProductAttention)")
+    fused_at_cp1 = any(route.fused_at_cp1 for route in coverage.routes_of(AttentionRoute))
+    if config.flash_attn and not config.disabled and not fused_at_cp1:
+        lines.append("COC_FLASH_ATTN=1 but no attention call ran the fused kernel at CP = 1 during the first step "
+                     "(no local DotProductAttention built with CP = 1, or Megatron's path for every call: see "
+                     "the warnings above)")
+    if config.enabled and totals[Chunked.name] + totals[Fused.name] == 0 and not auto_stepped_aside:
+        lines.append("CoC is on but no layer call went through it during the first step"
+                     + (" (see the reasons above)" if totals[MegatronPath.name] else " (no patched layer was called)"))
+    for name, origin in sorted(model.replaced.items()):
+        lines.append(f"{name}.forward was replaced after coc-inject patched it (now: {origin}): CoC is NOT "
+                     f"active for {name}")
+    return lines
+
+
+def _layer_entry(record, route, calls: int) -> dict:
+    """One row of the report's "layers": a layer and one of its routes."""
+    if isinstance(route, AttentionRoute):
+        return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape,
+                "route": route.name, "algorithm": route.algorithm, "cp_size": route.cp_size, "chunks": None,
+                "backend": None, "kernel": route.kernel, "reason": route.reason, "calls": calls}
+    return {
+        "name": record.name or f"{record.cls}[{record.shape[1]}x{record.shape[2]}]",
+        "class": record.cls, "shape": record.shape, "route": route.name,
+        "chunks": route.chunks if isinstance(route, Chunked) else None,
+        "backend": route.backend if isinstance(route, Fused) else None,
+        "reason": route.reason if isinstance(route, MegatronPath) else None, "calls": calls,
+    }
+
+
+def report(coverage) -> dict:
+    """The COC_REPORT file's content (version REPORT_VERSION)."""
+    model, ending = coverage.model, coverage.ending
+    return {
+        "version": REPORT_VERSION,
+        "rank": log.global_rank(),
+        "world_size": log.world_size(),
+        "pid": os.getpid(),
+        "megatron_core": megatron_version.imported().version,
+        "config": coverage.config.describe(),
+        "first_step_summarized": ending.summarized,
+        "ended_by": ending.ended_by,
+        "calls": coverage.calls_by_route(),
+        "layers": [_layer_entry(record, route, calls)
+                   for record in coverage.all_records() for route, calls in record.routes.items()],
+        "local_layers": model.local_layers,
+        "foreign_layers": dict(sorted(model.foreign_layers.items())),
+        "replaced_forwards": dict(sorted(model.replaced.items())),
+        "auto_decisions": [
+            {"key": key.text(), "case": key.case, "shape": [key.m, key.k, key.n], "dtype": key.dtype,
+             "chunks": decision.chunks, "source": decision.source,
+             "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
+            for key, decision in coverage.decisions().items()],
+        "attention_decisions": [
+            {"key": key.text(), "algorithm": decision.choice, "source": decision.source,
+             "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
+            for key, decision in coverage.attention_decisions().items()],
+    }
+
+
+def _chunk_counts(coverage) -> str:
+    counts = sorted({route.chunks for route in coverage.routes_of(Chunked)})
+    return "N=" + "/".join(map(str, counts))

@@ -1,0 +1,98 @@
+"""The guards of the linears' wing: when a Row / Column call must take Megatron's own path.
+
+A call goes through CoC only when every feature it uses is honoured; each guard here names the
+feature it found, as the MegatronPath's reason (logged once, counted by the coverage). GUARDS
+lists the features of newer megatron-core releases that are checked (``coc-inject status``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from coc_inject.routes import MegatronPath
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A Megatron feature the engine checks for, because ignoring it would give a wrong result."""
+
+    feature: str
+    since: tuple  # first megatron-core (major, minor) that has it
+    handling: str
+
+
+GUARDS = (
+    Guard("tensor-parallel weight sharding (gtp_remat_size > 1)", (0, 19),
+          "Megatron's path: layer.weight is a shard that Megatron gathers before the matmul"),
+    Guard("output_dtype on ColumnParallelLinear", (0, 20),
+          "Megatron's path when it differs from the input dtype (the GEMM writes another dtype)"),
+    Guard("inference-optimized output all-gather (eval, gather_output)", (0, 18),
+          "handled: CoC's output is gathered by Megatron's inference all-gather"),
+    Guard("Megatron-FSDP parameters (__fsdp_param__) with gradient_accumulation_fusion", (0, 14),
+          "handled: wgrad is written into weight.get_main_grad(), as Megatron does"),
+    Guard("weight of another shape than the one CoC multiplies by", (0, 13),
+          "Megatron's path"),
+)
+
+
+def _weight_fallback(layer, weight, expected: tuple) -> MegatronPath | None:
+    gtp = getattr(layer, "gtp_remat_size", 1)
+    if isinstance(gtp, int) and gtp > 1:
+        return MegatronPath(f"tensor-parallel weight sharding (gtp_remat_size={gtp}): the weight is a shard "
+                        "Megatron gathers before the matmul")
+    if weight is not None and tuple(weight.shape) != expected:
+        return MegatronPath(f"weight shape {tuple(weight.shape)} is not the [{expected[0]}, {expected[1]}] "
+                        "this layer multiplies by")
+    return None
+
+
+def _common_fallback(layer, input_: torch.Tensor) -> MegatronPath | None:
+    tp_size = layer.tp_group.size() if layer.tp_group is not None else 1
+    if tp_size <= 1:
+        return MegatronPath("tensor-parallel size 1: no collective to overlap", expected=True)
+    if getattr(layer, "explicit_expert_comm", False):
+        return MegatronPath("expert layer: its communication is done by the MoE token dispatcher", expected=True)
+    offload = getattr(layer.config, "_cpu_offloading_context", None)
+    if offload is not None and getattr(offload, "inside_context", False):
+        return MegatronPath("activation CPU offloading is active for this call")
+    if not input_.is_floating_point():
+        return MegatronPath(f"input dtype {input_.dtype} is not floating point")
+    return None
+
+
+def row_guards(layer, input_, args, kwargs) -> MegatronPath | None:
+    """Why a RowParallelLinear call must take Megatron's path, or None."""
+    if args or kwargs:
+        return MegatronPath("unknown forward arguments (newer Megatron?)")
+    path = _common_fallback(layer, input_) or _weight_fallback(
+        layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
+    if path is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
+        path = MegatronPath(f"sequence length {input_.shape[0]} is not divisible by TP")
+    return path
+
+
+def column_guards(config, layer, input_, weight, args, kwargs) -> MegatronPath | None:
+    """Why a ColumnParallelLinear call must take Megatron's path, or None."""
+    if args or kwargs:
+        return MegatronPath("unknown forward arguments (newer Megatron?)")
+    path = _common_fallback(layer, input_)
+    if path is not None:
+        return path
+    if layer.config.defer_embedding_wgrad_compute:
+        return MegatronPath("defer_embedding_wgrad_compute keeps its own wgrad buffers")
+    if getattr(layer, "disable_grad_reduce", False):
+        return MegatronPath("disable_grad_reduce: the caller reduces gradients itself", expected=True)
+    if not layer.sequence_parallel and not config.enable_coc_in_column_backward:
+        return MegatronPath(
+            "no sequence parallelism: forward has no communication and Megatron already "
+            "overlaps the backward all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 "
+            "chunks it)", expected=True)
+    output_dtype = getattr(layer, "output_dtype", None)
+    if output_dtype is not None and output_dtype != input_.dtype:
+        return MegatronPath(f"output_dtype {output_dtype} differs from the input dtype {input_.dtype}")
+    matrix = layer.weight if weight is None else weight
+    if matrix is None:
+        return MegatronPath("no weight supplied (skip_weight_param_allocation)")
+    return _weight_fallback(layer, matrix, (layer.output_size_per_partition, layer.input_size))

@@ -1,0 +1,109 @@
+"""The vocabulary of what coc-inject does with one call: the layer cases and the routes.
+
+A ``LayerCase`` names a tensor-parallel linear call the engine handles (the tuner's keys, the
+tune cache, ``bench`` and ``tune`` use the same names). A route is where one call goes: CoC's
+chunked pipeline (``Chunked``), a fused kernel (``Fused``), ``COC_PARALLEL_NUM=auto``'s trials
+(``Tuned``, decided into one of the others), Megatron's own forward (``MegatronPath``), or, for
+attention, ``AttentionRoute``. The engine plans with them and the coverage counts them as
+dict keys, so each is frozen and hashes by what the report shows.
+
+Stdlib only: a dependency of the engine, the coverage and the tuner alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+class LayerCase(str, enum.Enum):
+    """A layer/mode combination; its value is the name in cache files, reports and printed text."""
+
+    ROW = "row"  # RowParallelLinear: mm + all-reduce
+    ROW_SP = "row-sp"  # RowParallelLinear, sequence parallel: mm + reduce-scatter
+    COLUMN_SP = "column-sp"  # ColumnParallelLinear, sequence parallel: all-gather + mm
+    COLUMN_BWD = "column-bwd"  # ColumnParallelLinear without SP: only its backward all-reduce is chunked
+
+    def __str__(self) -> str:  # the plain name in f-strings and str(), as the literal it replaces
+        return self.value
+
+    __format__ = str.__format__
+
+    @classmethod
+    def of(cls, row: bool, sequence_parallel: bool) -> LayerCase:
+        if row:
+            return cls.ROW_SP if sequence_parallel else cls.ROW
+        return cls.COLUMN_SP if sequence_parallel else cls.COLUMN_BWD
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self in (LayerCase.ROW_SP, LayerCase.COLUMN_SP)
+
+
+CASE_NAMES = tuple(case.value for case in LayerCase)
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """CoC's chunked pipeline with ``chunks`` chunks."""
+
+    name: ClassVar[str] = "chunked"
+    chunks: int
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A fused kernel; counted by the backend's name, ``kernel`` (what the Function runs) rides along."""
+
+    name: ClassVar[str] = "fused"
+    backend: str
+    kernel: object = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """COC_PARALLEL_NUM=auto: the tuner decides this call's key (trials at its first call)."""
+
+    name: ClassVar[str] = "tuned"
+
+
+@dataclass(frozen=True)
+class MegatronPath:
+    """Megatron's own forward, and why. ``expected`` ones are logged at debug only."""
+
+    name: ClassVar[str] = "megatron"
+    reason: str
+    expected: bool = field(default=False, compare=False)
+
+
+# The start of a MegatronPath's reason when COC_PARALLEL_NUM=auto measured Megatron's own path
+# fastest: CoC stepping aside on purpose is not a "CoC did nothing" problem.
+AUTO_CHOSE_MEGATRON = "auto chose Megatron's own path"
+
+# Attention's algorithm when COC_FLASH_ATTN left a call to Megatron's attention.
+MEGATRON_ATTENTION = "Megatron's attention"
+
+
+@dataclass(frozen=True)
+class AttentionRoute:
+    """An attention call run by coc-inject (context parallelism, or COC_FLASH_ATTN at CP = 1), or a
+    COC_FLASH_ATTN call left to Megatron's attention (``algorithm`` MEGATRON_ATTENTION, with a reason)."""
+
+    name: ClassVar[str] = "context-parallel"
+    algorithm: str
+    cp_size: int
+    kernel: str | None = None
+    reason: str | None = None
+
+    @property
+    def megatron_instead(self) -> bool:
+        return self.algorithm == MEGATRON_ATTENTION
+
+    @property
+    def fused_at_cp1(self) -> bool:
+        return self.cp_size == 1 and not self.megatron_instead
+
+
+# The names the report's "calls" totals use, in their order.
+COUNTED = (Chunked, Fused, MegatronPath, AttentionRoute)
