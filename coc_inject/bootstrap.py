@@ -17,9 +17,11 @@ import sys
 HOOK = "coc_inject.patching:on_layers_imported"
 TARGET = "megatron.core.tensor_parallel.layers"
 # Context parallelism: the local attention, and where the process groups are made.
-CP_HOOKS = (
+WING_HOOKS = (
     ("coc_inject.context_parallel.install:on_attention_imported", "megatron.core.transformer.dot_product_attention"),
     ("coc_inject.context_parallel.install:on_parallel_state_imported", "megatron.core.parallel_state"),
+    # Multi-copy parallel: the TransformerBlock.
+    ("coc_inject.multi_copy.install:on_transformer_block_imported", "megatron.core.transformer.transformer_block"),
 )
 TRIGGER = "megatron"
 
@@ -136,7 +138,7 @@ def _register():
     # If a hooked module is already imported, wrapt runs its hook right here; a
     # configuration error it raises must propagate (it stops the job on purpose).
     register(HOOK, TARGET)
-    for hook, target in CP_HOOKS:
+    for hook, target in WING_HOOKS:
         register(hook, target)
 
 

@@ -4,7 +4,7 @@ A ``LayerCase`` names a tensor-parallel linear call the engine handles (the tune
 tune cache, ``bench`` and ``tune`` use the same names). A route is where one call goes: CoC's
 chunked pipeline (``Chunked``), a fused kernel (``Fused``), ``COC_PARALLEL_NUM=auto``'s trials
 (``Tuned``, decided into one of the others), Megatron's own forward (``MegatronPath``), or, for
-attention, ``AttentionRoute``. The engine plans with them and the coverage counts them as
+attention, ``AttentionRoute``; for a TransformerBlock, ``CopiesRoute``. The engine plans with them and the coverage counts them as
 dict keys, so each is frozen and hashes by what the report shows.
 
 Stdlib only: a dependency of the engine, the coverage and the tuner alike.
@@ -105,5 +105,16 @@ class AttentionRoute:
         return self.cp_size == 1 and not self.megatron_instead
 
 
+@dataclass(frozen=True)
+class CopiesRoute:
+    """A TransformerBlock call run as ``copies`` copies (multi-copy parallel), or, with ``copies`` 1,
+    Megatron's block and why."""
+
+    name: ClassVar[str] = "multi-copy"
+    copies: int
+    layers: int
+    reason: str | None = None
+
+
 # The names the report's "calls" totals use, in their order.
-COUNTED = (Chunked, Fused, MegatronPath, AttentionRoute)
+COUNTED = (Chunked, Fused, MegatronPath, AttentionRoute, CopiesRoute)

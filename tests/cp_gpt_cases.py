@@ -34,7 +34,7 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
-def setup(tp: int, cp: int, coc: dict | None = None, hierarchical=None):
+def setup(tp: int, cp: int, coc: dict | CocConfig | None = None, hierarchical=None):
     """Megatron's parallel state for TP x CP (the rest data-parallel), coc-inject's CP installed for ``coc``."""
     from megatron.core import parallel_state
     from megatron.core.fusions import fused_softmax
@@ -47,8 +47,9 @@ def setup(tp: int, cp: int, coc: dict | None = None, hierarchical=None):
     global _parallel_state_key
     install.uninstall()
     if coc is not None:
-        install.install(CocConfig(**coc), dot_product_attention, parallel_state)
-    key = (tp, cp, hierarchical, (coc or {}).get("cp_ulysses_degree"))
+        install.install(coc if isinstance(coc, CocConfig) else CocConfig(**coc), dot_product_attention, parallel_state)
+    degree = coc.cp_ulysses_degree if isinstance(coc, CocConfig) else (coc or {}).get("cp_ulysses_degree")
+    key = (tp, cp, hierarchical, degree)
     if key != _parallel_state_key:
         groups.release()
         reinitialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp,
@@ -134,7 +135,7 @@ def _skew_trials(name, seconds):
 
 
 def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_twice=False, skew=None,
-          **model_kwargs):
+          after_setup=None, **model_kwargs):
     """Losses per step and this rank's parameters after ``steps`` SGD steps.
 
     SGD, not Adam: Adam turns the rounding noise of a gradient that is zero in exact arithmetic
@@ -143,6 +144,8 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
     from megatron.core import parallel_state
 
     setup(tp, cp, coc, model_kwargs.get("hierarchical"))
+    if after_setup is not None:  # more of coc-inject, installed for the same config
+        after_setup()
     if skew and dist.get_rank() in skew:
         _skew_trials(*skew[dist.get_rank()])
     model = build_gpt(tp, cp, seq=seq, vocab=vocab, **model_kwargs)

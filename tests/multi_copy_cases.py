@@ -75,35 +75,42 @@ def _cpu_rng_for_recompute() -> None:
 
 
 def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None, **kwargs):
-    """cp_gpt_cases.train with ``copies`` (1: off) and, with ``chunks``, CoC's chunked linears."""
-    from coc_inject import patching
-    from coc_inject.config import CocConfig
+    """cp_gpt_cases.train with ``copies`` (1: off; "auto"), with ``chunks`` CoC's chunked linears,
+    every wing installed for one config; the routes the blocks took come back as ``routes``."""
+    from coc_inject import job, patching
+    from coc_inject.config import AUTO, CocConfig
     from megatron.core.transformer import transformer_block
 
+    options = dict(coc or {}, multi_copy=AUTO if copies == "auto" else copies,
+                   **({"parallel_num": chunks} if chunks is not None else {}))
+    config = CocConfig(**options) if (coc or chunks is not None or copies != 1) else None
     routes = []
+    count = copies_install._count
+    copies_install._count = lambda installation, block, route: routes.append((route.copies, route.reason))
+
+    def after_setup():
+        if chunks is not None:
+            assert patching.install(config)
+        if copies != 1:
+            copies_install.install(config, transformer_block)
+            if tuner is not None:
+                job.current().tuners[job.MULTI_COPY] = tuner
+
     if kwargs.get("recompute_granularity"):
         _cpu_rng_for_recompute()
-    patching.uninstall()
-    copies_install.uninstall()
     recorder = CollectiveRecorder() if record else None
     try:
         if recorder is not None:
             recorder.__enter__()
-        if chunks is not None:
-            assert patching.install(CocConfig(parallel_num=chunks))
-        if copies != 1:
-            copies_install.install(copies, transformer_block, tuner=tuner,
-                                   on_route=lambda block, n, reason: routes.append((n, reason)))
-        result = cp_gpt_cases.train(tp, cp, coc, **kwargs)
+        result = cp_gpt_cases.train(tp, cp, config, after_setup=after_setup, **kwargs)
     finally:
-        copies_install.uninstall()
-        patching.uninstall()
+        job.uninstall()
+        copies_install._count = count
         if recorder is not None:
             recorder.__exit__()
     result["routes"] = sorted(set(routes), key=repr)
     result["collectives"] = recorder.calls if recorder is not None else None
     return result
-
 
 
 def skewed_tuner(delay):

@@ -8,6 +8,8 @@ import types
 import pytest
 import torch
 
+from coc_inject import job
+from coc_inject.config import CocConfig
 from coc_inject.multi_copy import install, scheduler
 
 
@@ -83,12 +85,12 @@ def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monk
             group.register_grad_ready(param)
             scheduler.current().hand_over()
 
-    install.install(2, transformer_block)
+    install.install(CocConfig(multi_copy=2), transformer_block)
     try:
         scheduler.CopyRun(2).run([copy, copy])
         group.register_grad_ready(params[0])  # outside copies: passed on as it is
     finally:
-        install.uninstall()
+        job.uninstall()
     assert heard == [params[0], params[1], params[0]]
 
 

@@ -92,7 +92,7 @@ def rank_work(args, device) -> dict | None:
     import torch.distributed as dist
     from megatron.core.transformer import transformer_block
 
-    from coc_inject import patching
+    from coc_inject import job, patching
     from coc_inject.config import CocConfig
     from coc_inject.multi_copy import install as copies
 
@@ -105,18 +105,17 @@ def rank_work(args, device) -> dict | None:
 
     @contextmanager
     def variant(name):
-        patching.uninstall()
-        copies.uninstall()
-        if "coc" in name:
-            patching.install(CocConfig(parallel_num=args.chunks, tune_cache=tune_cache))
-        if "copies" in name:
-            copies.install(2, transformer_block)
+        config = CocConfig(parallel_num=args.chunks if "coc" in name else 1, multi_copy=2 if "copies" in name else 1,
+                           tune_cache=tune_cache)
+        if config.enabled:
+            patching.install(config)
+        if config.multi_copy_armed:
+            copies.install(config, transformer_block)
         try:
             with no_collectives() if name == "compute-only" else _nothing():
                 yield
         finally:
-            copies.uninstall()
-            patching.uninstall()
+            job.uninstall()
 
     times = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as scratch:

@@ -33,6 +33,7 @@ class Coverage(Counts):
         self.ending = ProcessEnd(self)
         self.decisions = dict  # () -> {DecisionKey: Decision} of COC_PARALLEL_NUM=auto (set by the installation)
         self.attention_decisions = dict  # () -> {AttentionKey: Decision} of COC_CP_ALGO=auto
+        self.copies_decisions = dict  # () -> {CopiesKey: Decision} of COC_MULTI_COPY=auto
 
     def inspect_model(self) -> None:
         self.model.inspect(self.records.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from coc_inject import log, megatron_version
-from coc_inject.routes import AUTO_CHOSE_MEGATRON, AttentionRoute, Chunked, Fused, MegatronPath
+from coc_inject.routes import AUTO_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused, MegatronPath
 
 REPORT_VERSION = 1
 
@@ -38,6 +38,29 @@ def attention_summary(coverage) -> str | None:
     return "; ".join(parts) or None
 
 
+def copies_summary(coverage) -> str | None:
+    """"multi-copy 2 on 4 layers (2 blocks): 6 calls", and the calls without copies with why;
+    None without block calls."""
+    routes = coverage.routes_of(CopiesRoute)
+    if not routes:
+        return None
+    blocks: dict = {}
+    for record in coverage.all_records():
+        for route in record.routes:
+            if isinstance(route, CopiesRoute) and route.copies > 1:
+                blocks[record.layer] = route.layers
+    copied = sorted({route.copies for route in routes if route.copies > 1})
+    parts = []
+    if copied:
+        calls = sum(n for route, n in routes.items() if route.copies > 1)
+        parts.append(f"multi-copy {'/'.join(map(str, copied))} on {sum(blocks.values())} layers "
+                     f"({len(blocks)} blocks): {calls} calls")
+    without = {route.reason: n for route, n in routes.items() if route.copies == 1}
+    if without:
+        parts.append("no copies for: " + "; ".join(f"{why} ({n} calls)" for why, n in without.items()))
+    return "; ".join(parts)
+
+
 def summary_line(coverage) -> str:
     totals = coverage.calls_by_route()
     model = coverage.model
@@ -46,12 +69,12 @@ def summary_line(coverage) -> str:
     routes = [f"{chunked} chunked ({_chunk_counts(coverage)})" if chunked else None,
               f"{fused} fused" if fused else None,
               f"{megatron} Megatron's own" if megatron else None]
-    attention = attention_summary(coverage)
+    others = "; ".join(part for part in (attention_summary(coverage), copies_summary(coverage)) if part)
     if coverage.config.enabled:
         text = (f"first step: CoC on {coverage.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
-                + (", ".join(r for r in routes if r) or "none")) + (f"; {attention}" if attention else "")
+                + (", ".join(r for r in routes if r) or "none")) + (f"; {others}" if others else "")
     else:
-        text = f"first step: {attention or 'no attention call ran with context parallelism'} (TP linears: CoC off)"
+        text = f"first step: {others or 'no attention call ran with context parallelism'} (TP linears: CoC off)"
     reasons = coverage.megatron_reasons()
     if reasons:
         text += "; Megatron's path because: " + "; ".join(f"{why} ({n} calls)" for why, n in reasons.items())
@@ -77,6 +100,11 @@ def warnings(coverage) -> list:
         lines.append("COC_FLASH_ATTN=1 but no attention call ran the fused kernel at CP = 1 during the first step "
                      "(no local DotProductAttention built with CP = 1, or Megatron's path for every call: see "
                      "the warnings above)")
+    copies = coverage.routes_of(CopiesRoute)
+    if config.multi_copy_armed and not any(route.copies > 1 or route.reason.startswith("auto:") for route in copies):
+        lines.append(f"COC_MULTI_COPY={config.describe()['multi_copy']} but no TransformerBlock call ran as copies "
+                     "during the first step" + (" (see the reasons above)" if copies else " (no TransformerBlock "
+                                                "was called)"))
     if config.enabled and totals[Chunked.name] + totals[Fused.name] == 0 and not auto_stepped_aside:
         lines.append("CoC is on but no layer call went through it during the first step"
                      + (" (see the reasons above)" if totals[MegatronPath.name] else " (no patched layer was called)"))
@@ -88,6 +116,10 @@ def warnings(coverage) -> list:
 
 def _layer_entry(record, route, calls: int) -> dict:
     """One row of the report's "layers": a layer and one of its routes."""
+    if isinstance(route, CopiesRoute):
+        return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape, "route": route.name,
+                "copies": route.copies, "layers": route.layers, "chunks": None, "backend": None,
+                "reason": route.reason, "calls": calls}
     if isinstance(route, AttentionRoute):
         return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape,
                 "route": route.name, "algorithm": route.algorithm, "cp_size": route.cp_size, "chunks": None,
@@ -128,6 +160,10 @@ def report(coverage) -> dict:
             {"key": key.text(), "algorithm": decision.choice, "source": decision.source,
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.attention_decisions().items()],
+        "multi_copy_decisions": [
+            {"key": key.text(), "copies": decision.choice, "source": decision.source,
+             "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
+            for key, decision in coverage.copies_decisions().items()],
     }
 
 

@@ -1,9 +1,12 @@
-"""install() / uninstall() of multi-copy parallel: TransformerBlock.forward and the collectives.
+"""install() of multi-copy parallel, and its post-import hook (registered by bootstrap) on
+``megatron.core.transformer.transformer_block``; the multi-copy wing of the job's installation
+(coc_inject.job: its patches, coverage and tuner are shared with the other wings).
 
-* ``megatron.core.transformer.transformer_block``: ``TransformerBlock.forward`` runs a call as
-  copies (block.py) or, with the reason counted, Megatron's own forward.
+* ``TransformerBlock.forward`` runs a call as copies (block.py) or, with the reason, Megatron's.
 * ``torch.distributed``'s collectives and Megatron's aliases of them: inside a copy, a wait for
   the network hands the baton on (collectives.py); outside copies they call through.
+* Megatron's global memory buffer: a name per copy; its DDP's grad-ready count: once per
+  micro-batch although each copy accumulates.
 """
 
 from __future__ import annotations
@@ -16,75 +19,80 @@ import sys
 
 import torch.distributed as dist
 
+from coc_inject import job, log
+from coc_inject.config import AUTO
 from coc_inject.multi_copy import auto, block as copies_block, collectives, scheduler
+from coc_inject.routes import CopiesRoute
 
-logger = logging.getLogger("coc_inject.multi_copy")
-
-_originals: dict = {}  # (owner, attribute) -> original
-AUTO = "auto"
-_state = {"copies": 1, "on_route": None, "tuner": None}
+AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
 
 
-def _patch(owner, name, replacement) -> None:
-    _originals[(owner, name)] = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    setattr(owner, name, replacement)
+def install(config, transformer_block_module) -> None:
+    """Patch for ``config.multi_copy`` (a count >= 2, or AUTO), counting no calls (tests, bench; the
+    import hook counts): into the job's installation for ``config``. Undone by ``job.uninstall()``."""
+    _install(job.installation(config), transformer_block_module)
 
 
-def install(copies, transformer_block_module, on_route=None, tuner=None) -> None:
-    """Run every TransformerBlock call as ``copies`` copies (an integer >= 2, or AUTO: decided per
-    call shape by ``tuner``). ``on_route(block, copies, reason)`` is told each call's route (the
-    copies, or 1 with the reason). Idempotent."""
-    uninstall()
-    _state.update(copies=copies, on_route=on_route, tuner=tuner)
-    _patch_collectives()
-    _patch_memory_buffer()
-    _patch_grad_ready()
+def _install(installation, transformer_block_module) -> None:
+    patches = installation.patches
+    _patch_collectives(patches)
+    _patch_memory_buffer(patches)
+    _patch_grad_ready(patches)
     cls = transformer_block_module.TransformerBlock
-    _patch(cls, "forward", _copies_forward(cls.__dict__["forward"]))
+    patches.patch(cls, "forward", _copies_forward(installation, patches.original(cls, "forward")))
 
 
-def uninstall() -> None:
-    for (owner, name), original in reversed(list(_originals.items())):
-        setattr(owner, name, original)
-    _originals.clear()
-    _state.update(copies=1, on_route=None, tuner=None)
+def on_transformer_block_imported(module) -> None:
+    config = job.config()
+    if not config.multi_copy_armed or job.megatron_patchable(config) is None:
+        return
+    installation = job.installation(config)
+    installation.armed_coverage()
+    _install(installation, module)
+    level = logging.INFO if log.global_rank() == 0 else logging.DEBUG
+    log.logger.log(level, banner(config))
 
 
-def _patch_collectives() -> None:
+def banner(config) -> str:
+    copies = "auto (copies or not per block shape)" if config.multi_copy == AUTO else f"{config.multi_copy} copies"
+    return f"multi-copy installed on TransformerBlock: {copies} (details: coc-inject status, COC_REPORT)"
+
+
+def _patch_collectives(patches) -> None:
     wrappers = {}  # what a Megatron alias may hold (the torch function, or an instrumentation of it) -> ours
     for name in collectives.COLLECTIVES:
         original = getattr(dist, name, None)
         if original is not None:
             wrapper = collectives.wrap(original)
             wrappers[original] = wrappers[inspect.unwrap(original)] = wrapper
-            _patch(dist, name, wrapper)
-    _patch(dist, "batch_isend_irecv", collectives.wrap_batch(dist.batch_isend_irecv))
+            patches.patch(dist, name, wrapper)
+    patches.patch(dist, "batch_isend_irecv", collectives.wrap_batch(dist.batch_isend_irecv))
     for module_name, names in collectives.MEGATRON_ALIASES.items():
         module = sys.modules.get(module_name) or importlib.import_module(module_name)
         for name in names:
             value = getattr(module, name, None)
             if value in wrappers:
-                _patch(module, name, wrappers[value])
+                patches.patch(module, name, wrappers[value])
 
 
-def _patch_memory_buffer() -> None:
+def _patch_memory_buffer(patches) -> None:
     """Megatron's global memory buffer hands every caller of a name the same memory (the
     sequence-parallel all-gather's input, for one): a copy gets its own, or the other copy would
     overwrite it while a collective reads it."""
     from megatron.core import utils
 
     cls = utils.GlobalMemoryBuffer
-    original = cls.__dict__["get_tensor"]
+    original = patches.original(cls, "get_tensor")
 
     @functools.wraps(original)
     def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
         copy = scheduler.current_copy()
         return original(self, tensor_shape, dtype, name if copy is None else f"{name}@copy{copy}", *args, **kwargs)
 
-    _patch(cls, "get_tensor", get_tensor)
+    patches.patch(cls, "get_tensor", get_tensor)
 
 
-def _patch_grad_ready() -> None:
+def _patch_grad_ready(patches) -> None:
     """Megatron's DDP with overlap_grad_reduce counts a parameter's gradient ready once per
     micro-batch ("Cannot set grad twice"); with copies it accumulates once per copy: the bucket
     hears of it at the last copy's, when the whole gradient is in."""
@@ -95,7 +103,7 @@ def _patch_grad_ready() -> None:
     cls = getattr(param_and_grad_buffer, "_ParamAndGradBucketGroup", None)
     if cls is None or "register_grad_ready" not in cls.__dict__:
         return
-    original = cls.__dict__["register_grad_ready"]
+    original = patches.original(cls, "register_grad_ready")
 
     @functools.wraps(original)
     def register_grad_ready(self, param, *args, **kwargs):
@@ -104,32 +112,37 @@ def _patch_grad_ready() -> None:
             return None
         return original(self, param, *args, **kwargs)
 
-    _patch(cls, "register_grad_ready", register_grad_ready)
+    patches.patch(cls, "register_grad_ready", register_grad_ready)
 
 
-def _copies_forward(original):
+def _copies_forward(installation, original):
+    setting = installation.config.multi_copy
+
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        copies = 2 if _state["copies"] == AUTO else _state["copies"]
+        copies = 2 if setting == AUTO else setting
         reason = copies_block.block_reason(self, copies)
         split = None
         if reason is None:
             split = copies_block.plan(self, copies, copies_block.bind(original, self, args, kwargs))
             if isinstance(split, str):
                 reason, split = split, None
-        if split is not None and _state["copies"] == AUTO and auto.choose(
-                _state["tuner"], self, original, args, kwargs, split) == 1:
-            split, reason = None, "auto: no copies were faster for this shape"
-        _tell(self, split.copies if split else 1, reason)
+        if split is not None and setting == AUTO and auto.choose(
+                installation.tuner(job.MULTI_COPY), self, original, args, kwargs, split) == 1:
+            split, reason = None, AUTO_STEPPED_ASIDE
+        _count(installation, self, CopiesRoute(split.copies if split else 1, len(self.layers), reason))
         if split is None:
             return original(self, *args, **kwargs)
         output, _ = copies_block.run_copies(self, original, args, kwargs, split)
         return output
 
-    forward.__coc_multi_copy__ = True
     return forward
 
 
-def _tell(block, copies, reason) -> None:
-    if _state["on_route"] is not None:
-        _state["on_route"](block, copies, reason)
+def _count(installation, block, route: CopiesRoute) -> None:
+    block._coc_multi_copy = route  # this block's last route (tests, and a user poking at the model)
+    if route.reason is not None and route.reason != AUTO_STEPPED_ASIDE:
+        log.once(("multi-copy", route.reason), logging.WARNING,
+                 f"multi-copy: a TransformerBlock runs without copies: {route.reason}")
+    if installation.coverage is not None:
+        installation.coverage.count(block, route, None, lambda layer, _: [])
