@@ -25,12 +25,12 @@ LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_pat
 	tests/test_megatron_guards.py tests/test_injection_e2e.py tests/test_tuning.py tests/test_coverage.py
 # Context parallelism on the older releases: the CP=2 GPT cases and the construction errors. TEST_SCOPE=older-release
 # skips the cases marked newest_only (tests/scope.py): coc-inject's own logic, tested once on the newest release.
-CP_SUITES := tests/test_cp_gpt.py
+CP_SUITES := tests/test_cp_gpt.py tests/test_multi_copy.py
 
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash clean
+.PHONY: demo demo-link demo-cp demo-copies test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -43,6 +43,11 @@ demo-link: $(VENV)/.installed
 # interleaved over $(ROUNDS) rounds: the ring vs allgather figure of benchmarks/RESULTS.md.
 demo-cp: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py --part cp --cp-rounds $(ROUNDS) --link-rate $(LINK)
+
+# make demo's multi-copy comparison alone: off, COC_PARALLEL_NUM=auto, COC_MULTI_COPY=2, both, and
+# COC_MULTI_COPY=auto over the link, interleaved over $(ROUNDS) rounds (the figures of benchmarks/RESULTS.md).
+demo-copies: $(VENV)/.installed
+	$(VENV)/bin/python examples/demo.py --part copies --copies-rounds $(ROUNDS) --link-rate $(LINK)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/coc-inject bench

@@ -90,7 +90,7 @@ def compare(title, workdir, steps, link, script_args, chunks) -> bool:
           f"(step 0, with auto's trials: {1e3 * off['step_times'][0]:.0f} ms off, {1e3 * on['step_times'][0]:.0f} ms on)")
     equal = worst <= LOSS_BOUND
     print(f"losses {'EQUAL' if equal else 'DIFFERENT'} within {LOSS_BOUND:g} (max |diff| {worst:.2e})")
-    return equal
+    return equal, off, on
 
 
 def print_decisions(report) -> None:
@@ -303,10 +303,11 @@ def main(argv=None) -> int:
     parser.add_argument("--chunks", default="auto", help="COC_PARALLEL_NUM of the CoC runs (default auto)")
     parser.add_argument("--link-rate", default="1gbit", help="rate of the emulated link (default 1gbit)")
     parser.add_argument("--no-link", action="store_true", help="skip the emulated-link parts")
-    parser.add_argument("--copies-rounds", type=int, default=1,
-                        help="rounds of part 2b's interleaved multi-copy runs over the link (default 1)")
-    parser.add_argument("--part", choices=("all", "coc", "cp"), default="all",
-                        help="coc: parts 1-2 (CoC on the linears); cp: parts 3-4 (context parallelism)")
+    parser.add_argument("--copies-rounds", type=int, default=3,
+                        help="rounds of --part copies' interleaved runs over the link (default 3)")
+    parser.add_argument("--part", choices=("all", "coc", "cp", "copies"), default="all",
+                        help="coc: parts 1-2 (CoC on the linears, multi-copy); cp: parts 3-4 (context parallelism); "
+                             "copies: off, CoC auto and multi-copy over the link, interleaved (--copies-rounds)")
     parser.add_argument("--cp-steps", type=int, default=CP_STEPS, help=f"steps of the CP runs (default {CP_STEPS})")
     parser.add_argument("--cp-algo", default="auto", help="COC_CP_ALGO of part 3's CP=2 runs (default auto)")
     parser.add_argument("--cp-link-algos", default="ring,allgather,auto",
@@ -322,6 +323,13 @@ def main(argv=None) -> int:
         CP_MODEL[CP_MODEL.index("--seq-length") + 1] = str(CP_SEQ)
 
     ok = True
+    if args.part == "copies":
+        from coc_inject.bench.link import EmulatedLink
+
+        with tempfile.TemporaryDirectory() as workdir, EmulatedLink(args.link_rate) as link:
+            return 0 if copies_runs(f"multi-copy over the emulated {args.link_rate} link", workdir, link, LINK_STEPS,
+                                    args.script_args or LINK_MODEL, args.copies_rounds, ALL_COPIES, {},
+                                    COPIES_TARGETS) else 1
     if args.part in ("all", "coc"):
         ok &= coc_parts(args)
     if args.part in ("all", "cp"):
@@ -337,8 +345,11 @@ def main(argv=None) -> int:
 
 def coc_parts(args) -> bool:
     with tempfile.TemporaryDirectory() as workdir:
-        ok = compare("Part 1: loopback (two ranks on this machine's cores)", workdir, args.steps, None,
-                     args.script_args, args.chunks)
+        ok, off, _ = compare("Part 1: loopback (two ranks on this machine's cores)", workdir, args.steps, None,
+                             args.script_args, args.chunks)
+        ok &= copies_runs("Part 1b: COC_MULTI_COPY=auto on loopback, where copies do not pay: auto must step aside",
+                          workdir, None, args.steps, args.script_args, 1, {"COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}},
+                          {"off": [off]}, {"COC_MULTI_COPY=auto": LOOPBACK_AUTO_TARGET})
     if args.no_link:
         print("\nPart 2 skipped: --no-link")
         return ok
@@ -350,49 +361,71 @@ def coc_parts(args) -> bool:
         print(f"\nPart 2 (emulated {args.link_rate} link) skipped: {error}")
         return ok
     with tempfile.TemporaryDirectory() as workdir, EmulatedLink(args.link_rate) as link:
-        ok &= compare(f"Part 2: emulated {args.link_rate} link between the ranks (one core each), larger model",
-                      workdir, LINK_STEPS, link, args.script_args or LINK_MODEL, args.chunks)
-        ok &= copies_link(workdir, link, args.link_rate, args.script_args or LINK_MODEL, args.copies_rounds)
+        equal, off, on = compare(f"Part 2: emulated {args.link_rate} link between the ranks (one core each), larger "
+                                 "model", workdir, LINK_STEPS, link, args.script_args or LINK_MODEL, args.chunks)
+        ok &= equal and copies_runs(
+            f"Part 2b: multi-copy parallel over the emulated {args.link_rate} link (two copies of each micro-batch "
+            "through every TransformerBlock, one computing while the other's collective is in flight)",
+            workdir, link, LINK_STEPS, args.script_args or LINK_MODEL, 1, LINK_COPIES,
+            {"off": [off], f"COC_PARALLEL_NUM={args.chunks}": [on]}, COPIES_TARGETS)
     return ok
 
 
-# Multi-copy over the link: each variant's environment (the same command), run interleaved.
-COPIES_VARIANTS = {"off": {}, "COC_MULTI_COPY=2": {"COC_MULTI_COPY": "2"},
-                   "COC_PARALLEL_NUM=auto": {"COC_PARALLEL_NUM": "auto"},
-                   "COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto": {"COC_MULTI_COPY": "2", "COC_PARALLEL_NUM": "auto"},
-                   "COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}}
+# Multi-copy: each variant's environment (the same command). Part 2b runs the link's two after part 2's
+# off and auto runs; make demo-copies runs all five interleaved over --copies-rounds rounds.
+LINK_COPIES = {"COC_MULTI_COPY=2": {"COC_MULTI_COPY": "2"},
+               "COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto": {"COC_MULTI_COPY": "2", "COC_PARALLEL_NUM": "auto"}}
+ALL_COPIES = {"off": {}, "COC_PARALLEL_NUM=auto": {"COC_PARALLEL_NUM": "auto"}, **LINK_COPIES,
+              "COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}}
 COPIES_TARGETS = {"COC_MULTI_COPY=2": 1.15, "COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto": 1.20}
+LOOPBACK_AUTO_TARGET = 0.97  # COC_MULTI_COPY=auto on loopback: never slower than off beyond the noise
 
 
-def copies_link(workdir, link, rate, script_args, rounds) -> bool:
-    """Part 2b: multi-copy parallel over the link, against off and CoC auto, interleaved."""
-    print(f"\n### Part 2b: multi-copy parallel over the emulated {rate} link (two copies of each micro-batch "
-          f"through every TransformerBlock, one computing while the other's collective is in flight), "
-          f"{rounds} round(s) of {', '.join(COPIES_VARIANTS)}", flush=True)
-    results = {name: [] for name in COPIES_VARIANTS}
+def copies_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets) -> bool:
+    """Runs ``variants`` ({name: environment}) ``rounds`` times, interleaved, beside the ``given`` results
+    ({name: [results]}, "off" among them); prints median step times against off and the targets."""
+    print(f"\n### {title}", flush=True)
+    results = {**given, **{name: [] for name in variants}}
     for round_ in range(rounds):
-        for index, (name, extra) in enumerate(COPIES_VARIANTS.items()):
+        for index, (name, extra) in enumerate(variants.items()):
             tag = f"copies-{index}-{round_}"
             env = clean_env() if not extra else clean_env(
                 PYTHONPATH=str(SITE), COC_TUNE_CACHE=str(Path(workdir) / f"tune-{tag}.json"),
                 COC_REPORT=str(Path(workdir) / f"report-{tag}-{{rank}}.json"), **extra)
-            results[name].append(run(f"{name}: torchrun over the link", env, workdir, LINK_STEPS, link, script_args,
-                                     name=tag))
-    off = statistics.median(steady(r) for r in results["off"])
+            results[name].append(run(f"{name}: same command" + (" over the link" if link else ""), env, workdir,
+                                     steps, link, script_args, name=tag))
+            if "COC_MULTI_COPY" in extra:
+                print_copies(Path(workdir) / f"report-{tag}-0.json")
+    medians = {name: statistics.median(steady(r) for r in runs) for name, runs in results.items()}
     print(f"\n{'variant':<42} {'median step ms':>14} {'vs off':>7}")
     ok = True
-    for name, runs in results.items():
-        median = statistics.median(steady(r) for r in runs)
-        target = COPIES_TARGETS.get(name)
-        print(f"{name:<42} {1e3 * median:14.1f} {off / median:6.3f}x"
-              + (f"  (target >= {target}x: {'met' if off / median >= target else 'missed'})" if target else ""))
+    for name, median in medians.items():
+        target = targets.get(name)
+        print(f"{name:<42} {1e3 * median:14.1f} {medians['off'] / median:6.3f}x"
+              + (f"  (target >= {target}x: {'met' if medians['off'] / median >= target else 'missed'})"
+                 if target else ""))
+    for name in variants:
         if name != "off":
-            ok &= loss_line(name, results["off"][0], runs, against="off")
-    both, auto = (statistics.median(steady(r) for r in results[n])
-                  for n in ("COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto", "COC_PARALLEL_NUM=auto"))
-    print(f"COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto vs COC_PARALLEL_NUM=auto alone: {auto / both:.3f}x "
-          f"(target >= 1.05x: {'met' if auto / both >= 1.05 else 'missed'})")
+            ok &= loss_line(name, results["off"][0], results[name], against="off")
+    auto = next((name for name in medians if name.startswith("COC_PARALLEL_NUM=")), None)
+    both = "COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto"
+    if auto and both in medians:
+        ratio = medians[auto] / medians[both]
+        print(f"{both} vs {auto} alone: {ratio:.3f}x (target >= 1.05x: {'met' if ratio >= 1.05 else 'missed'})")
     return ok
+
+
+def print_copies(report_path) -> None:
+    """What the blocks did (COC_REPORT of rank 0): copies per block, or why not, and auto's decisions."""
+    report = json.loads(report_path.read_text())
+    for layer in report["layers"]:
+        if layer["route"] == "multi-copy":
+            print(f"   {layer['class']} ({layer['layers']} layers): "
+                  + (f"{layer['copies']} copies" if layer["copies"] > 1 else f"no copies: {layer['reason']}")
+                  + f", {layer['calls']} calls")
+    for decision in report.get("multi_copy_decisions", []):
+        times = ", ".join(f"{c} copies {t:.1f} ms" for c, t in decision["times_ms"].items())
+        print(f"   auto: {decision['key']} -> {decision['copies']} copies ({decision['source']}: {times})")
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def rank_work(args, device) -> dict | None:
 
     @contextmanager
     def variant(name):
-        config = CocConfig(parallel_num=args.chunks if "coc" in name else 1, multi_copy=2 if "copies" in name else 1,
+        config = CocConfig(parallel_num=args.chunks if "coc" in name else 1, multi_copy=args.copies if "copies" in name else 1,
                            tune_cache=tune_cache)
         if config.enabled:
             patching.install(config)
@@ -158,6 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--link", metavar="RATE")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--chunks", default="auto", help="COC_PARALLEL_NUM of the CoC variants")
+    parser.add_argument("--copies", type=int, default=2, help="COC_MULTI_COPY of the multi-copy variants")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=512)
