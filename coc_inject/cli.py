@@ -147,7 +147,20 @@ def cmd_status(args) -> int:
     print("cases handled     :")
     for case in CASES:
         print(f"  {case.layer:<21} {case.mode:<6} fwd: {case.forward}; bwd: {case.backward} [{case.schedule.value}]")
+    print("multi-copy        : " + multi_copy_status(None if errors else config_module.load_config()))
     return 1 if errors else 0
+
+
+def multi_copy_status(config) -> str:
+    """What COC_MULTI_COPY does in this configuration, in one line."""
+    from coc_inject.config import AUTO
+    from coc_inject.multi_copy.block import WITHOUT_COPIES
+
+    if config is None or not config.multi_copy_armed:
+        return "off (COC_MULTI_COPY=1)"
+    copies = "2 copies where trials find them faster (auto)" if config.multi_copy == AUTO else f"{config.multi_copy} copies"
+    return (f"TransformerBlock calls as {copies}, split along the batch, taking turns at their collectives "
+            f"(backward overlapped on CPU, in turns on GPU/NPU); Megatron's block for: {', '.join(WITHOUT_COPIES)}")
 
 
 def megatron_report(megatron, allow_untested: bool) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from coc_inject.bench import attention, layers, ranks, report, startup
+from coc_inject.bench import attention, layers, ranks, report, startup, whole_layer
 from coc_inject.bench.link import EmulatedLink, LinkError
 from coc_inject.bench.ranks import Setup
 
@@ -54,9 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link", metavar="RATE", help="emulate a link of this rate between the 2 ranks, "
                         "e.g. 1gbit (root only)")
     parser.add_argument("--cases", nargs="+", default=list(layers.DEFAULT_CASES),
-                        choices=[*layers.CASES, *attention.CASES],
+                        choices=[*layers.CASES, *attention.CASES, whole_layer.CASE],
                         help="linear layer cases, and/or attention: context-parallel core attention, every "
-                             "algorithm (coc_inject.bench.attention; writes attention.json / attention.png)")
+                             "algorithm (coc_inject.bench.attention; writes attention.json / attention.png), "
+                             "and/or layer: a whole TransformerBlock forward + backward, Megatron vs CoC vs "
+                             "multi-copy vs both, with the exposed communication (coc_inject.bench.whole_layer)")
     parser.add_argument("--chunks", nargs="+", type=chunk_variant, default=[1, 2, 4, 8, "auto"],
                         help="fixed chunk counts and/or auto (COC_PARALLEL_NUM=auto, fresh tune cache; "
                              "default: 1 2 4 8 auto)")
@@ -119,9 +121,13 @@ def main(argv=None) -> int:
         except LinkError as error:
             print(f"coc-inject bench: {error}", file=sys.stderr)
             return 2
-    linear_cases = [case for case in args.cases if case not in attention.CASES]
-    if len(linear_cases) < len(args.cases):
+    linear_cases = [case for case in args.cases if case in layers.CASES]
+    if any(case in attention.CASES for case in args.cases):
         code = attention.bench(args)
+        if code or not linear_cases and whole_layer.CASE not in args.cases:
+            return code
+    if whole_layer.CASE in args.cases:
+        code = whole_layer.bench(args)
         if code or not linear_cases:
             return code
     started = time.time()

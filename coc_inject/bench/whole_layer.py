@@ -8,15 +8,19 @@ infinitely fast network). Megatron's own time minus the compute-only time is the
 a perfect overlap would hide; each variant's "hidden" share is measured against it. Variants
 interleaved, rotating, medians of ``--reps`` (rank 0's view; a barrier before each run).
 
-    python -m coc_inject.bench.whole_layer [--link 1gbit] [--reps 15] [--chunks auto]
+    python -m coc_inject.bench.whole_layer [--link 1gbit] [--reps 15] [--chunks auto] [--copies 2]
+    coc-inject bench --cases layer [--link 1gbit]    (the same at these defaults)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 VARIANTS = ("megatron", "coc", "copies", "coc+copies", "compute-only")
 
@@ -151,9 +155,10 @@ def _nothing():
     yield
 
 
-def main(argv=None) -> int:
-    from coc_inject.bench import ranks
+CASE = "layer"  # coc-inject bench --cases layer
 
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link", metavar="RATE")
     parser.add_argument("--reps", type=int, default=15)
@@ -166,20 +171,46 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, help="write layer.json here")
+    return parser
+
+
+def measure(args) -> int:
+    """Runs the ranks, prints the table, writes ``args.out/layer.json`` (with --out)."""
+    from coc_inject.bench import ranks
     from coc_inject.config import AUTO
 
-    args.chunks = AUTO if args.chunks == "auto" else int(args.chunks)
-    setup = ranks.Setup(world=2, link=args.link, threads=args.threads, command="python -m coc_inject.bench.whole_layer")
+    args.chunks = AUTO if str(args.chunks) == "auto" else int(args.chunks)
+    setup = ranks.Setup(world=2, link=args.link, threads=args.threads, command="coc-inject bench --cases layer")
     result = ranks.run(setup, rank_work, args)
-    where = ranks.describe_where(setup)
-    print(f"one TransformerBlock ({args.layers} layer, seq {args.seq}, batch {args.batch}, hidden {args.hidden}) "
-          f"forward + backward, TP=2 SP, {where}; compute only {result['compute_only_ms']:.1f} ms")
+    if result is None:
+        return 0  # not rank 0 of a torchrun job
+    title = (f"one TransformerBlock ({args.layers} layer, seq {args.seq}, batch {args.batch}, hidden {args.hidden}) "
+             f"forward + backward, TP=2 SP, {ranks.describe_where(setup)}; {args.reps} interleaved repetitions; "
+             f"compute only {result['compute_only_ms']:.1f} ms")
+    print(title)
     for name, row in result["rows"].items():
         hidden = "" if row["hidden_share"] is None else f", {100 * row['hidden_share']:.0f}% of Megatron's exposed hidden"
         print(f"  {name:11s} {row['ms']:8.1f} ms  {row['speedup']:.3f}x  exposed communication "
               f"{row['exposed_ms']:.1f} ms{hidden}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "layer.json").write_text(json.dumps({"title": title, "argv": sys.argv, **result}, indent=1))
     return 0
+
+
+def bench(bench_args) -> int:
+    """``coc-inject bench --cases layer``: this bench at its own sizes, with bench's --link, --reps,
+    --threads, --out and its CoC count (auto if listed in --chunks, else the largest)."""
+    chunks = "auto" if "auto" in bench_args.chunks else max(bench_args.chunks)
+    args = build_parser().parse_args(["--reps", str(bench_args.reps), "--threads", str(bench_args.threads),
+                                      "--chunks", str(chunks), "--out", str(bench_args.out)]
+                                     + (["--link", bench_args.link] if bench_args.link else []))
+    return measure(args)
+
+
+def main(argv=None) -> int:
+    return measure(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def copies_summary(coverage) -> str | None:
     if copied:
         calls = sum(n for route, n in routes.items() if route.copies > 1)
         parts.append(f"multi-copy {'/'.join(map(str, copied))} on {sum(blocks.values())} layers "
-                     f"({len(blocks)} blocks): {calls} calls")
+                     f"({len(blocks)} block{'s' if len(blocks) != 1 else ''}): {calls} calls")
     without = {route.reason: n for route, n in routes.items() if route.copies == 1}
     if without:
         parts.append("no copies for: " + "; ".join(f"{why} ({n} calls)" for why, n in without.items()))

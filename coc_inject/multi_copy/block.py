@@ -32,6 +32,11 @@ REFUSED = {"inference_context": "inference", "inference_params": "inference", "s
            "dynamic_inference_decode_only": "inference"}
 
 
+# What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
+WITHOUT_COPIES = ("a micro-batch not divisible by the copies", "dropout > 0", "MoE layers", "packed sequences",
+                  "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs")
+
+
 @dataclass(frozen=True)
 class Split:
     """How one call is cut: the copies' sizes along the batch and which arguments are cut."""
