@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import log
+from coc_inject.multi_copy import scheduler
 from coc_inject.routes import LayerCase
 
 TIMED_ROUNDS = 3
@@ -182,6 +183,10 @@ class Tuner:
         return agreed[0]
 
     def _trials(self, candidates, group, device, run) -> dict:
+        with scheduler.alone():  # inside multi-copy's copies: no other copy runs between the timings
+            return self._timed_trials(candidates, group, device, run)
+
+    def _timed_trials(self, candidates, group, device, run) -> dict:
         warm_up, timed = schedule(candidates)
         for chunks in warm_up:
             run(chunks)

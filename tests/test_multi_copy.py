@@ -6,16 +6,8 @@ cannot run exactly run Megatron's block with the reason."""
 
 import pytest
 
-from tests.dist_harness import RankPool
 from tests.scope import newest_only
-from tests.test_cp_gpt import assert_same_training
-
-
-@pytest.fixture(scope="module")
-def pool():
-    pool = RankPool(4)
-    yield pool
-    pool.close()
+from tests.test_cp_gpt import assert_same_training, pool  # noqa: F401 - pool: a fixture (4 ranks, per module)
 
 
 _references: dict = {}

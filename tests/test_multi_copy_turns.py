@@ -106,3 +106,20 @@ def test_copies_run_under_their_callers_grad_mode_and_saved_tensor_hooks():
     assert len(packed) == 4  # x twice per copy: the pack hook ran inside the copies
     with torch.no_grad():
         assert scheduler.CopyRun(2).run([work, work]) == [(False, False)] * 2
+
+
+def test_alone_keeps_the_baton_until_it_ends():
+    trace = []
+
+    def copy(index):
+        def work():
+            with scheduler.alone():
+                trace.append((index, "trial"))
+                scheduler.current().hand_over()  # suspended: no other copy runs here
+                trace.append((index, "trial done"))
+            scheduler.current().hand_over()
+            trace.append((index, "after"))
+        return work
+
+    scheduler.CopyRun(2).run([copy(0), copy(1)])
+    assert trace == [(0, "trial"), (0, "trial done"), (1, "trial"), (1, "trial done"), (0, "after"), (1, "after")]

@@ -15,6 +15,7 @@ states) is saved when it hands the baton on and restored when it takes it back
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Callable, Sequence
 
@@ -34,6 +35,21 @@ def current_copy() -> int | None:
     return getattr(_current, "index", None)
 
 
+@contextlib.contextmanager
+def alone():
+    """No hand-over inside: the calling copy keeps the baton (an auto tuner's trials, whose timings
+    another copy's work would disturb); its collectives are waited for where they are."""
+    run = current()
+    if run is None:
+        yield
+        return
+    run.alone += 1
+    try:
+        yield
+    finally:
+        run.alone -= 1
+
+
 class CopyRun:
     """One round of ``n`` copies taking turns; :meth:`run` returns each copy's result in order."""
 
@@ -46,6 +62,7 @@ class CopyRun:
         self._cond = threading.Condition()
         self._saved: list = [None] * n
         self.handovers = 0
+        self.alone = 0  # > 0: hand-overs are suspended (alone())
         self._counts: dict = {}
 
     def count_once(self, item) -> int:
@@ -59,7 +76,7 @@ class CopyRun:
         """The calling copy is about to wait for the network: let the next copy run meanwhile."""
         index = _current.index
         nxt = self._next_after(index)
-        if nxt == index:
+        if nxt == index or self.alone:
             return
         self._switch(index, nxt)
 
