@@ -85,15 +85,16 @@ def plan(block, copies: int, arguments: dict) -> Split | str:
     for name, value in arguments.items():
         if name in ("self", "hidden_states") or value is None:
             continue
+        dim = BATCH_DIMS.get(name)
         if isinstance(value, torch.Tensor):
             if value.requires_grad:
                 return f"{name} requires grad (its gradient would not reach it through the copies)"
-            if name in BATCH_DIMS and value.dim() > BATCH_DIMS[name] and value.shape[BATCH_DIMS[name]] == batch \
-                    and batch > 1:
+            rows = value.shape[dim] if dim is not None and value.dim() > dim else None
+            if rows == batch:
                 cut.append(name)
-            elif name in BATCH_DIMS and value.dim() > BATCH_DIMS[name] and value.shape[BATCH_DIMS[name]] not in (1, batch):
-                return f"{name} has {value.shape[BATCH_DIMS[name]]} rows for micro-batch {batch}"
-            elif name not in BATCH_DIMS and name not in SHARED:
+            elif rows not in (None, 1):
+                return f"{name} has {rows} rows for micro-batch {batch}"
+            elif dim is None and name not in SHARED:
                 return f"an argument coc-inject does not know how to split ({name})"
         elif name not in BATCH_DIMS and name not in SHARED and name not in REFUSED and not _plain(value):
             return f"an argument coc-inject does not know how to split ({name})"
@@ -115,7 +116,6 @@ class CopiesRunner:
         self.block, self.original, self.split = block, original, split
         self.arguments = arguments
         self.threaded_backward = threaded_backward
-        self.handovers = 0
 
     def _copy_arguments(self, index: int) -> dict:
         arguments = dict(self.arguments)
@@ -175,10 +175,7 @@ class CopiesRunner:
     def _turns(self, work, threaded: bool) -> list:
         if not threaded:  # a device's autograd runs its nodes on one engine thread: the copies one after another
             return [item() for item in work]
-        run = scheduler.CopyRun(len(work), save=rng.save, restore=rng.restore)
-        results = run.run(work)
-        self.handovers += run.handovers
-        return results
+        return scheduler.CopyRun(len(work), save=rng.save, restore=rng.restore).run(work)
 
 
 def _sum(terms):

@@ -61,7 +61,6 @@ class CopyRun:
         self._failed: BaseException | None = None
         self._cond = threading.Condition()
         self._saved: list = [None] * n
-        self.handovers = 0
         self.alone = 0  # > 0: hand-overs are suspended (alone())
         self._counts: dict = {}
 
@@ -91,7 +90,6 @@ class CopyRun:
         if self._save is not None:
             self._saved[index] = self._save()
         with self._cond:
-            self.handovers += 1
             self._turn = nxt
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == index or self._failed is not None)
