@@ -6,6 +6,7 @@ cannot run exactly run Megatron's block with the reason."""
 
 import pytest
 
+from coc_inject.config import AUTO
 from tests.scope import newest_only
 from tests.test_cp_gpt import assert_same_training, pool  # noqa: F401 - pool: a fixture (4 ranks, per module)
 
@@ -34,8 +35,9 @@ def test_copies_train_like_no_copies(pool, tp, sp):
 
 
 @newest_only
-def test_with_coc_chunked_linears(pool):
-    run(pool, tp=2, sp=True, b=4, chunks=4)
+@pytest.mark.parametrize("chunks", [4, AUTO])
+def test_with_coc_chunked_linears(pool, chunks):
+    run(pool, tp=2, sp=True, b=4, chunks=chunks)
 
 
 @newest_only
