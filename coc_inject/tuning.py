@@ -79,7 +79,8 @@ class Decision:
     def describe(self, key) -> str:
         text = f"auto: {key.text()} -> {key.name(self.choice)} ({self.source}"
         if self.times_ms:
-            times = ", ".join(f"{f'N={c}' if isinstance(c, int) else c} {t:.2f} ms" for c, t in self.times_ms.items())
+            label = getattr(key, "candidate", None) or (lambda c: f"N={c}" if isinstance(c, int) else c)
+            times = ", ".join(f"{label(c)} {t:.2f} ms" for c, t in self.times_ms.items())
             text += f": {times}; noise {self.noise_ms:.2f} ms; median of {TIMED_ROUNDS} runs, max over ranks"
         return text + ")"
 

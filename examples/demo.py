@@ -424,8 +424,9 @@ def print_copies(report_path) -> None:
                   + (f"{layer['copies']} copies" if layer["copies"] > 1 else f"no copies: {layer['reason']}")
                   + f", {layer['calls']} calls")
     for decision in report.get("multi_copy_decisions", []):
-        times = ", ".join(f"{c} copies {t:.1f} ms" for c, t in decision["times_ms"].items())
-        print(f"   auto: {decision['key']} -> {decision['copies']} copies ({decision['source']}: {times})")
+        times = ", ".join(f"{'no' if c == '1' else c} copies {t:.1f} ms" for c, t in decision["times_ms"].items())
+        chose = "no copies" if decision["copies"] == 1 else f"{decision['copies']} copies"
+        print(f"   auto: {decision['key']} -> {chose} ({decision['source']}: {times})")
 
 
 if __name__ == "__main__":

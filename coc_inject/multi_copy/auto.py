@@ -47,6 +47,10 @@ class CopiesKey:
     def name(self, choice) -> str:
         return "no copies (Megatron's block)" if choice == 1 else f"{choice} copies"
 
+    @staticmethod
+    def candidate(choice) -> str:
+        return "no copies" if choice == 1 else f"{choice} copies"
+
 
 def group_of(block):
     """The group whose collectives the block runs: tensor x context parallel."""
