@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 from coc_inject import __version__, job, log
 
@@ -77,12 +76,9 @@ def banner(config, version: str | None) -> str:
     from coc_inject.config import AUTO
 
     chunks = "fused" if config.fused else "N=auto" if config.parallel_num == AUTO else f"N={config.parallel_num}"
-    return (
-        f"CoC installed: pid {os.getpid()}, rank {log.global_rank()}/{log.world_size()}, mode {config.mode}, "
-        f"{chunks}, megatron-core {version or 'of unknown version'}, coc-inject {__version__}, patched "
-        + ", ".join(f"{name}.forward" for name in PATCHED)
-        + " (which layer calls it runs: the first-step summary)"
-    )
+    return (f"CoC installed: rank {log.global_rank()}/{log.world_size()}, mode {config.mode}, {chunks}, megatron-core "
+            f"{version or 'of unknown version'}, coc-inject {__version__}, patched "
+            + ", ".join(f"{name}.forward" for name in PATCHED))
 
 
 def on_layers_imported(module) -> None:

@@ -210,17 +210,16 @@ def on_attention_imported(module) -> None:
 
 
 def banner(config, cp_size: int | None) -> str:
+    """One short line of what is on (the details: coc-inject status, COC_REPORT)."""
     window = f", window {config.cp_window}" if config.cp_window > 1 else ""
     degree = f", Ulysses degree {config.cp_ulysses_degree}" if config.cp_ulysses_degree else ""
-    algorithm = ("each layer's cp_comm_type" if config.cp_algorithm == attention.FOLLOW_MEGATRON
-                 else config.cp_algorithm)
-    size = f"CP size {cp_size}" if cp_size is not None else "CP size: Megatron's context_parallel_size"
-    kernel = f"kernel {config.attn_kernel}" + (f" ({_device_kernel()})" if config.attn_kernel == "auto" else "")
-    at_cp1 = "CP = 1 layers: fused kernel (COC_FLASH_ATTN)" if config.flash_attn else "CP = 1 layers: Megatron's"
+    algorithm = "cp_comm_type" if config.cp_algorithm == attention.FOLLOW_MEGATRON else config.cp_algorithm
+    kernel = f"kernel {_device_kernel()}" if config.attn_kernel == "auto" else f"kernel {config.attn_kernel}"
     if config.cp_algorithm is None:
         return f"fused attention installed on DotProductAttention (COC_FLASH_ATTN), {kernel}"
-    return (f"context parallelism installed on DotProductAttention: {algorithm}{window}{degree}, {size}, {kernel}; "
-            f"{at_cp1}")
+    size = f"CP {cp_size}" if cp_size is not None else "CP from Megatron"
+    return (f"context parallelism installed on DotProductAttention: {algorithm}{window}{degree}, {size}, {kernel}"
+            + ("; CP = 1 layers: fused kernel" if config.flash_attn else ""))
 
 
 def _device_kernel() -> str:
