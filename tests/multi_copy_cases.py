@@ -5,12 +5,14 @@ collective every rank issued (op, group, shape, copy) recorded in order, and the
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import torch
 import torch.distributed as dist
 
 from coc_inject.multi_copy import install as copies_install, scheduler
+from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
 from tests import cp_gpt_cases
 
 RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
@@ -32,10 +34,9 @@ class CollectiveRecorder:
             original = getattr(dist, name)
             wrappers[original] = self._recording(name, original)
             self._set(dist, name, wrappers[original])
-        from megatron.core.tensor_parallel import layers, mappings
-
-        for module in (layers, mappings):
-            for alias in ("dist_all_gather_func", "dist_reduce_scatter_func"):
+        for module_name, aliases in MEGATRON_ALIASES.items():
+            module = importlib.import_module(module_name)
+            for alias in aliases:
                 if getattr(module, alias, None) in wrappers:
                     self._set(module, alias, wrappers[getattr(module, alias)])
         return self

@@ -19,7 +19,7 @@ import json
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 VARIANTS = ("megatron", "coc", "copies", "coc+copies", "compute-only")
@@ -36,8 +36,11 @@ class _Done:
 @contextmanager
 def no_collectives():
     """Every collective a no-op that zero-fills its output (compute-only timing)."""
+    import importlib
+
     import torch.distributed as dist
-    from megatron.core.tensor_parallel import layers, mappings
+
+    from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
 
     def output_zeroed(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
         output = args[0] if args else next(iter(kwargs.values()))
@@ -51,8 +54,8 @@ def no_collectives():
     names = ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
              "all_gather")
     saved = [(dist, "all_reduce", dist.all_reduce)] + [(dist, name, getattr(dist, name)) for name in names]
-    saved += [(module, alias, getattr(module, alias)) for module in (layers, mappings)
-              for alias in ("dist_all_gather_func", "dist_reduce_scatter_func")]
+    saved += [(module, alias, getattr(module, alias)) for module in map(importlib.import_module, MEGATRON_ALIASES)
+              for alias in MEGATRON_ALIASES[module.__name__]]
     for owner, name, _ in saved:
         setattr(owner, name, in_place if name == "all_reduce" else output_zeroed)
     try:
@@ -116,7 +119,7 @@ def rank_work(args, device) -> dict | None:
         if config.multi_copy_armed:
             copies.install(config, transformer_block)
         try:
-            with no_collectives() if name == "compute-only" else _nothing():
+            with no_collectives() if name == "compute-only" else nullcontext():
                 yield
         finally:
             job.uninstall()
@@ -148,11 +151,6 @@ def rank_work(args, device) -> dict | None:
         rows[name] = {"ms": medians[name], "exposed_ms": exposed, "speedup": medians["megatron"] / medians[name],
                       "hidden_share": 1 - exposed / exposed_megatron if exposed_megatron > 0 else None}
     return {"compute_only_ms": compute, "rows": rows}
-
-
-@contextmanager
-def _nothing():
-    yield
 
 
 CASE = "layer"  # coc-inject bench --cases layer

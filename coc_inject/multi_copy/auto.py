@@ -62,9 +62,9 @@ def group_of(block):
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def choose(tuner, block, original, args, kwargs, split) -> int:
-    """1 or ``split.copies`` for this call (trials at the first call of its shape)."""
-    arguments = copies_block.bind(original, block, args, kwargs)
+def choose(tuner, block, original, arguments: dict, split) -> int:
+    """1 or ``split.copies`` for this call (``arguments``: from block.bind; trials at the first call
+    of its shape)."""
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     config = block.config
     recompute = getattr(config, "recompute_granularity", None) is not None
@@ -77,25 +77,19 @@ def choose(tuner, block, original, args, kwargs, split) -> int:
 
     def trial(copies):
         probe = hidden.detach().clone().requires_grad_(backward)
-        trial_args, trial_kwargs = _with_hidden(block, original, args, kwargs, probe)
+        trial_arguments = dict(arguments, hidden_states=probe) if block.pre_process else arguments
         held = getattr(block, "input_tensor", None)
         with torch.enable_grad() if backward else torch.no_grad():
             if copies == 1:
                 if not block.pre_process:
                     block.input_tensor = probe
-                out = original(block, *trial_args, **trial_kwargs)
+                out = original(block, **trial_arguments)
                 block.input_tensor = held
             else:
-                out, _ = copies_block.run_copies(block, original, trial_args, trial_kwargs,
-                                                 replace(split, copies=copies), params_for_grad=True)
+                out = copies_block.run_copies(block, original, trial_arguments, replace(split, copies=copies),
+                                              params_for_grad=True)
             if backward:
                 torch.autograd.grad(out, [probe] + params, torch.ones_like(out), allow_unused=True)
 
     return tuner.decide(key, group_of(block), hidden.device, [1, split.copies], BASELINE, trial, group_name="TPxCP")
 
-
-def _with_hidden(block, original, args, kwargs, probe):
-    arguments = copies_block.bind(original, block, args, kwargs)
-    if block.pre_process:
-        arguments["hidden_states"] = probe
-    return (), arguments

@@ -210,15 +210,15 @@ def bind(original, block, args, kwargs) -> dict:
     return arguments
 
 
-def run_copies(block, original, args, kwargs, split: Split, params_for_grad: bool = False):
-    """The block call as ``split.copies`` copies (``split`` from :func:`plan`). ``params_for_grad``: the
-    parameters are inputs of the autograd node (for ``torch.autograd.grad`` over them: auto's trials)."""
-    arguments = bind(original, block, args, kwargs)
+def run_copies(block, original, arguments: dict, split: Split, params_for_grad: bool = False):
+    """The block call (``arguments``: from :func:`bind`) as ``split.copies`` copies (``split`` from
+    :func:`plan`). ``params_for_grad``: the parameters are inputs of the autograd node (for
+    ``torch.autograd.grad`` over them: auto's trials)."""
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     bound_original = original.__get__(block, type(block))
     runner = CopiesRunner(block, bound_original, arguments, split, threaded_backward=hidden.device.type == "cpu")
     if not torch.is_grad_enabled():
         _, outputs = runner.forward(hidden, grad=False)
-        return torch.cat(outputs, dim=1), runner
+        return torch.cat(outputs, dim=1)
     params = [p for p in block.parameters() if p.requires_grad] if params_for_grad else []
-    return CopiesThroughBlock.apply(runner, hidden, *params), runner
+    return CopiesThroughBlock.apply(runner, hidden, *params)

@@ -122,19 +122,19 @@ def _copies_forward(installation, original):
     def forward(self, *args, **kwargs):
         copies = 2 if setting == AUTO else setting
         reason = copies_block.block_reason(self, copies)
-        split = None
+        split = arguments = None
         if reason is None:
-            split = copies_block.plan(self, copies, copies_block.bind(original, self, args, kwargs))
+            arguments = copies_block.bind(original, self, args, kwargs)
+            split = copies_block.plan(self, copies, arguments)
             if isinstance(split, str):
                 reason, split = split, None
         if split is not None and setting == AUTO and auto.choose(
-                installation.tuner(job.MULTI_COPY), self, original, args, kwargs, split) == 1:
+                installation.tuner(job.MULTI_COPY), self, original, arguments, split) == 1:
             split, reason = None, AUTO_STEPPED_ASIDE
         _count(installation, self, CopiesRoute(split.copies if split else 1, len(self.layers), reason))
         if split is None:
             return original(self, *args, **kwargs)
-        output, _ = copies_block.run_copies(self, original, args, kwargs, split)
-        return output
+        return copies_block.run_copies(self, original, arguments, split)
 
     return forward
 
