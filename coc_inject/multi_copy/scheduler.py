@@ -92,10 +92,15 @@ class CopyRun:
         with self._cond:
             self._turn = nxt
             self._cond.notify_all()
+        self._take_turn(index)
+
+    def _take_turn(self, index: int) -> None:
+        """Wait until it is ``index``'s turn, then put back what that copy saw last."""
+        with self._cond:
             self._cond.wait_for(lambda: self._turn == index or self._failed is not None)
             if self._failed is not None:
                 raise CopyAborted("another copy failed")
-        if self._restore is not None and self._saved[index] is not None:
+        if self._restore is not None:
             self._restore(self._saved[index])
 
     # -- the caller ---------------------------------------------------------------------------
@@ -111,12 +116,7 @@ class CopyRun:
             _current.run, _current.index = self, index
             context.enter()
             try:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._turn == index or self._failed is not None)
-                    if self._failed is not None:
-                        return
-                if self._restore is not None and index != 0:
-                    self._restore(self._saved[index])
+                self._take_turn(index)
                 results[index] = work[index]()
             except CopyAborted:
                 pass
