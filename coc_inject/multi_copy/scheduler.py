@@ -16,6 +16,9 @@ states) is saved when it hands the baton on and restored when it takes it back
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import queue
 import threading
 from typing import Callable, Sequence
 
@@ -128,25 +131,75 @@ class CopyRun:
             finally:
                 if self._save is not None:
                     self._saved[index] = self._save()
+                context.exit()
+                _current.run = _current.index = None
                 with self._cond:
                     self._done[index] = True
                     nxt = self._next_after(index)
                     if nxt != index:
                         self._turn = nxt
                     self._cond.notify_all()
-                context.exit()
-                _current.run = _current.index = None
 
-        threads = [threading.Thread(target=body, args=(i,), name=f"coc-copy-{i}", daemon=True) for i in range(self.n)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        with _pool.lent(self.n) as workers:
+            for index, worker in enumerate(workers):
+                worker.start(functools.partial(body, index))
+            with self._cond:
+                self._cond.wait_for(lambda: all(self._done))
         if self._failed is not None:
             raise self._failed
         if self._restore is not None:  # the caller goes on from copy 0's state
             self._restore(self._saved[0])
         return results
+
+
+class _Worker:
+    """A thread that runs one copy at a time, kept between runs: what the C libraries keep per
+    thread -- above all the allocator's arena, whose memory a new thread would fault in page by
+    page again at every block call -- stays warm."""
+
+    def __init__(self, name: str, once: bool = False):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._once = once
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def start(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+            if self._once:
+                return
+
+
+class _Pool:
+    """The process's copy threads. A run started while they are busy (a run inside a copy, or in
+    another thread) gets threads of its own, used once."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._workers: list = []
+
+    @contextlib.contextmanager
+    def lent(self, n: int):
+        if not self._lock.acquire(blocking=False):
+            yield [_Worker(f"coc-copy-{i}-once", once=True) for i in range(n)]
+            return
+        try:
+            while len(self._workers) < n:
+                self._workers.append(_Worker(f"coc-copy-{len(self._workers)}"))
+            yield self._workers[:n]
+        finally:
+            self._lock.release()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's threads are not there."""
+        self.__init__()
+
+
+_pool = _Pool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.forget)
 
 
 class ThreadContext:
@@ -172,10 +225,9 @@ class ThreadContext:
         torch.set_grad_enabled(self.grad)
         if self.hooks is not None:
             torch._C._autograd._push_saved_tensors_default_hooks(*self.hooks)
-        for device, (enabled, dtype) in self.autocast.items():
-            if enabled:
-                torch.set_autocast_enabled(device, True)
-                torch.set_autocast_dtype(device, dtype)
+        for device, (enabled, dtype) in self.autocast.items():  # a kept thread has the last run's
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
         if self.cuda is not None:
             torch.cuda.set_device(self.cuda[0])
             torch.cuda.set_stream(self.cuda[1])
