@@ -72,7 +72,7 @@ def ulysses_groups_destroyed_with_megatrons():
 
 
 def build_gpt(tp, cp, *, heads=4, groups=None, hidden=64, layers=2, seq=64, vocab=128, rope=False, sp=False,
-              cp_comm_type=None, hierarchical=None, mask_type=None, **extra):
+              cp_comm_type=None, hierarchical=None, mask_type=None, pre_process=True, post_process=True, **extra):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as tp_random
@@ -99,7 +99,8 @@ def build_gpt(tp, cp, *, heads=4, groups=None, hidden=64, layers=2, seq=64, voca
         spec.submodules.self_attention.params["attn_mask_type"] = getattr(AttnMaskType, mask_type)
     block = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=CpuLayerNorm)
     return GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
-                    share_embeddings_and_output_weights=True,
+                    pre_process=pre_process, post_process=post_process,
+                    share_embeddings_and_output_weights=pre_process and post_process,
                     position_embedding_type="rope" if rope else "learned_absolute")
 
 

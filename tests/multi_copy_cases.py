@@ -14,6 +14,7 @@ import torch.distributed as dist
 from coc_inject.multi_copy import install as copies_install, scheduler
 from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
 from tests import cp_gpt_cases
+from tests.dist_harness import reinitialize_model_parallel
 
 RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
             "_reduce_scatter_base", "all_gather", "all_to_all_single", "batch_isend_irecv", "broadcast")
@@ -142,3 +143,69 @@ def train_auto(skew=None, **kwargs):
     result["decisions"] = [{"key": key.text(), "choice": d.choice, "source": d.source}
                            for key, d in tuner.decisions.items()]
     return result
+
+
+def train_pipeline(copies=2, steps=3, micro_batches=2, b=4, seq=64, vocab=128, hidden=64, layers=4):
+    """TP 2 x PP 2 on 4 ranks, sequence parallel: each rank a real Megatron GPT stage (pre_process /
+    post_process; stage 1's block reads Megatron's input tensor), run by a GPipe loop of this test's
+    own -- Megatron's schedules and p2p communication allocate on "cuda" -- with the micro-batches'
+    activations and gradients passed between the stages by send / recv. Losses (last stage) and
+    parameters after ``steps`` SGD steps, the routes the blocks took."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import transformer_block
+
+    from coc_inject import job
+    from coc_inject.config import CocConfig
+
+    cp_gpt_cases.setup(1, 1)
+    tp = 2
+    reinitialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
+    cp_gpt_cases._parallel_state_key = None  # the next setup initialises again
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    routes = []
+    count = copies_install._count
+    copies_install._count = lambda installation, block, route: routes.append((route.copies, route.reason))
+    try:
+        if copies != 1:
+            copies_install.install(CocConfig(multi_copy=copies), transformer_block)
+        model = cp_gpt_cases.build_gpt(tp, 1, hidden=hidden, layers=layers, seq=seq, vocab=vocab, sp=True,
+                                       pre_process=first, post_process=last, pipeline_model_parallel_size=2,
+                                       pipeline_dtype=torch.float32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+        part = b // micro_batches
+        losses = []
+        for step in range(steps):
+            tokens, labels = (t.split(part) for t in cp_gpt_cases.batch(step, b, seq, vocab))
+            positions = torch.arange(seq).unsqueeze(0).expand(part, seq)
+            optimizer.zero_grad(set_to_none=True)
+            inputs, outputs = [], []
+            for m in range(micro_batches):  # forward of every micro-batch, then their backward
+                if first:
+                    outputs.append(model(tokens[m], positions, causal))
+                    dist.send(outputs[-1].detach(), parallel_state.get_pipeline_model_parallel_next_rank())
+                else:
+                    inputs.append(torch.empty(seq // tp, part, hidden))
+                    dist.recv(inputs[-1], parallel_state.get_pipeline_model_parallel_prev_rank())
+                    model.set_input_tensor(inputs[-1].requires_grad_())
+                    outputs.append(model(None, positions, causal, labels=labels[m]).sum() / (b * seq))
+            for m in range(micro_batches):
+                if last:
+                    outputs[m].backward()
+                    dist.send(inputs[m].grad, parallel_state.get_pipeline_model_parallel_prev_rank())
+                else:
+                    grad = torch.empty_like(outputs[m])
+                    dist.recv(grad, parallel_state.get_pipeline_model_parallel_next_rank())
+                    outputs[m].backward(grad)
+            for param in model.parameters():
+                if param.grad is not None and getattr(param, "sequence_parallel", False):
+                    dist.all_reduce(param.grad, group=tp_group)
+            optimizer.step()
+            losses.append(sum(o.item() for o in outputs) if last else 0.0)
+    finally:
+        job.uninstall()
+        copies_install._count = count
+    return {"losses": losses, "params": {name: p.detach().clone() for name, p in model.named_parameters()},
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "first_stage": first,
+            "routes": sorted(set(routes), key=repr)}

@@ -52,6 +52,18 @@ def test_with_context_parallel_ring(pool):
     run(pool, tp=2, cp=2, coc={"cp_algo": "ring"}, sp=True, b=4)
 
 
+@newest_only
+def test_copies_inside_each_pipeline_stage(pool):
+    """TP 2 x PP 2: stage 0's block splits its embedding output, stage 1's the input tensor Megatron
+    hands it; the stages exchange the joined activations and gradients."""
+    want = pool.run("tests.multi_copy_cases:train_pipeline", copies=1)
+    got = pool.run("tests.multi_copy_cases:train_pipeline", copies=2)
+    assert all(r["routes"] == [(2, None)] for r in got), [r["routes"] for r in got]
+    assert sorted(r["first_stage"] for r in got) == [False, False, True, True]
+    assert all(loss > 0 for r in got if not r["first_stage"] for loss in r["losses"])
+    assert_same_training(got, want)
+
+
 def test_every_rank_issues_the_same_collectives_in_the_same_order(pool):
     got = run(pool, tp=4, sp=True, b=4, record=True, steps=1)
     first = got[0]["collectives"]
