@@ -20,6 +20,7 @@ import torch
 from coc_inject import job, log
 from coc_inject.config import AUTO, CocConfig
 from coc_inject.linear_guards import column_guards, row_guards
+from coc_inject.multi_copy import scheduler
 from coc_inject.pipeline import agreement
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
@@ -34,7 +35,7 @@ from coc_inject.pipeline.functions import (
 from coc_inject.pipeline.layout import effective_chunks
 from coc_inject.pipeline.matmul import MatmulLayout
 from coc_inject.pipeline.schedules import Schedule
-from coc_inject.routes import AUTO_CHOSE_MEGATRON, Chunked, Fused, LayerCase, MegatronPath, Tuned
+from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, Chunked, Fused, LayerCase, MegatronPath, Tuned
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,8 @@ class CocEngine:
         chunks = self.config.chunks_for(m, k, n)
         if chunks == 1:
             return MegatronPath(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
+        if chunks == AUTO and not scheduler.linears_chunked():
+            return MegatronPath(COPIES_CHOSE_MEGATRON, expected=True)
         self.ensure_agreement(call.group, call.coc_input.device)
         if chunks == -1:
             route = self._fused(call)

@@ -80,6 +80,20 @@ class MegatronPath:
 # The start of a MegatronPath's reason when COC_PARALLEL_NUM=auto measured Megatron's own path
 # fastest: CoC stepping aside on purpose is not a "CoC did nothing" problem.
 AUTO_CHOSE_MEGATRON = "auto chose Megatron's own path"
+# Inside multi-copy's copies, COC_PARALLEL_NUM=auto's linears run Megatron's path where the block's
+# trials found the copies faster without CoC's chunks (the copies already overlap the collectives).
+COPIES_CHOSE_MEGATRON = "multi-copy: the copies ran faster with Megatron's own linears inside them"
+
+
+def unchunked(copies: int) -> str:
+    """COC_MULTI_COPY's choice of ``copies`` copies whose tuned linears run Megatron's path (a plain
+    count: the linears as COC_PARALLEL_NUM sets them)."""
+    return f"{copies} copies, Megatron's linears"
+
+
+def copies_of(choice) -> int:
+    """The copy count of a multi-copy choice (a count, or :func:`unchunked`'s text)."""
+    return choice if isinstance(choice, int) else int(choice.split()[0])
 
 # Attention's algorithm when COC_FLASH_ATTN left a call to Megatron's attention.
 MEGATRON_ATTENTION = "Megatron's attention"

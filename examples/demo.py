@@ -139,9 +139,20 @@ def mib(n_bytes) -> str:
     return f"{n_bytes / 2**20:.2f} MiB"
 
 
+WARM_UP_STEPS = 3  # step 1: first calls and auto's trials; steps 2-3: glibc's malloc still raising its thresholds
+
+
 def steady(result) -> float:
-    """Median step time without step 1 (warm-up and auto's trials)."""
-    return statistics.median(result["step_times"][1:])
+    """Median step time after the warm-up steps. glibc returns large freed blocks to the kernel until
+    its dynamic mmap / trim thresholds have grown, so the first steps fault memory in again (most for
+    multi-copy's threads, each with its own arena); MALLOC_MMAP_THRESHOLD_ set removes it."""
+    times = result["step_times"]
+    return statistics.median(times[first_steady(len(times)) - 1:])
+
+
+def first_steady(steps: int) -> int:
+    """The first step ``steady`` counts: after the warm-up where at least 5 steps remain, else step 2."""
+    return WARM_UP_STEPS + 1 if steps >= WARM_UP_STEPS + 5 else 2
 
 
 def max_loss_diff(reference, result) -> float:
@@ -228,7 +239,7 @@ def cp_loopback(workdir, steps, algorithm, tp2) -> tuple[bool, dict]:
     for label, name, ranks, _ in runs:
         print(f" {label}:")
         print_algorithms(workdir, name, ranks)
-    print(f"\nmedian step time (steps 2..{steps}): CP=1 {1e3 * steady(cp1):.1f} ms"
+    print(f"\nmedian step time (steps {first_steady(steps)}..{steps}): CP=1 {1e3 * steady(cp1):.1f} ms"
           + "".join(f", {label} {1e3 * steady(r):.1f} ms ({steady(cp1) / steady(r):.2f}x)" for label, *_, r in runs)
           + f"; step 1 (warm-up, auto's trials): CP=1 {1e3 * cp1['step_times'][0]:.0f} ms"
           + "".join(f", {label} {1e3 * r['step_times'][0]:.0f} ms" for label, *_, r in runs))
@@ -268,9 +279,9 @@ def cp_link(cp1, rate, steps, algorithms, rounds) -> bool:
         for algorithm in algorithms:
             print(f" COC_CP_ALGO={algorithm}:")
             ran[algorithm] = print_algorithms(workdir, f"{algorithm}-0", 2)
-    # Medians over every round's steps 2..n; each round's ratio from that round's two medians.
+    # Medians over every round's steps after the warm-up; each round's ratio from that round's two medians.
     medians = {a: statistics.median(t for r in rs for t in r["step_times"][1:]) for a, rs in results.items()}
-    print(f"\nmedian step time over the link (steps 2..{steps}" + (", all rounds" if rounds > 1 else "") + "): "
+    print(f"\nmedian step time over the link (steps {first_steady(steps)}..{steps}" + (", all rounds" if rounds > 1 else "") + "): "
           + ", ".join(f"{a} {1e3 * m:.1f} ms" for a, m in medians.items())
           + f"; CP=1 on one core, no link: {1e3 * steady(cp1):.1f} ms")
     base = max(cp1["attention_saved_bytes"])
@@ -424,8 +435,10 @@ def print_copies(report_path) -> None:
                   + (f"{layer['copies']} copies" if layer["copies"] > 1 else f"no copies: {layer['reason']}")
                   + f", {layer['calls']} calls")
     for decision in report.get("multi_copy_decisions", []):
-        times = ", ".join(f"{'no' if c == '1' else c} copies {t:.1f} ms" for c, t in decision["times_ms"].items())
-        chose = "no copies" if decision["copies"] == 1 else f"{decision['copies']} copies"
+        times = ", ".join(f"{'no copies' if c == '1' else c + ' copies' if c.isdigit() else c} {t:.1f} ms"
+                          for c, t in decision["times_ms"].items())
+        chose = ("no copies" if decision["copies"] == 1 else f"{decision['copies']} copies"
+                 + ("" if decision["linears_chunked"] else ", Megatron's linears"))
         print(f"   auto: {decision['key']} -> {chose} ({decision['source']}: {times})")
 
 

@@ -115,8 +115,9 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     return result
 
 
-def skewed_tuner(delay):
-    """A tuner whose trials with copies take ``delay`` seconds longer on this rank (a real delay)."""
+def skewed_tuner(delay, slow_baseline=False):
+    """A tuner whose trials other than the baseline (with ``slow_baseline``: the baseline's) take
+    ``delay`` seconds longer on this rank (a real delay)."""
     import time
 
     from coc_inject.config import CocConfig
@@ -128,11 +129,16 @@ def skewed_tuner(delay):
     def skewed(key, group, device, candidates, baseline, run, group_name="TP"):
         def trial(choice):
             run(choice)
-            if delay and choice != baseline:
+            if delay and (choice == baseline) == slow_baseline:
                 time.sleep(delay)
-        return decide(key, group, device, candidates, baseline, trial, group_name)
+        tuner.deciding = True
+        try:
+            return decide(key, group, device, candidates, baseline, trial, group_name)
+        finally:
+            tuner.deciding = False
 
     tuner.decide = skewed
+    tuner.deciding = False
     return tuner
 
 
@@ -142,6 +148,33 @@ def train_auto(skew=None, **kwargs):
     result = train(copies="auto", tuner=tuner, **kwargs)
     result["decisions"] = [{"key": key.text(), "choice": d.choice, "source": d.source}
                            for key, d in tuner.decisions.items()]
+    return result
+
+
+def train_linears_choice(slow_ranks=(0, 2), **kwargs):
+    """Copies 2 with COC_PARALLEL_NUM=auto, the trials of the copies with CoC's chunks inside half a
+    second slower on ``slow_ranks`` only: the decisions, and the reasons the CoC engine gave for
+    running Megatron's path outside the trials, come back with the training."""
+    from coc_inject import megatron_forward
+    from coc_inject.config import AUTO
+
+    reasons = set()
+    plan = megatron_forward.CocEngine.plan
+
+    def recording(self, call):
+        route = plan(self, call)
+        if not tuner.deciding:
+            reasons.add(getattr(route, "reason", None))
+        return route
+
+    megatron_forward.CocEngine.plan = recording
+    tuner = skewed_tuner(0.5 if dist.get_rank() in slow_ranks else 0, slow_baseline=True)
+    try:
+        result = train(copies=2, chunks=AUTO, tuner=tuner, **kwargs)
+    finally:
+        megatron_forward.CocEngine.plan = plan
+    result["decisions"] = [decision.choice for decision in tuner.decisions.values()]
+    result["megatron_reasons"] = sorted(reason for reason in reasons if reason)
     return result
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from coc_inject import log, megatron_version
-from coc_inject.routes import AUTO_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused, MegatronPath
+from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused, MegatronPath, copies_of
 
 REPORT_VERSION = 1
 
@@ -91,7 +91,8 @@ def warnings(coverage) -> list:
                      "Transformer Engine has its own overlap (--tp-comm-overlap)")
     totals = coverage.calls_by_route()
     reasons = coverage.megatron_reasons()
-    auto_stepped_aside = bool(reasons) and all(reason.startswith(AUTO_CHOSE_MEGATRON) for reason in reasons)
+    auto_stepped_aside = bool(reasons) and all(reason.startswith(AUTO_CHOSE_MEGATRON) or reason == COPIES_CHOSE_MEGATRON
+                                               for reason in reasons)
     if config.cp_algo is not None and not totals[AttentionRoute.name]:
         lines.append(f"COC_CP_ALGO={config.cp_algo} but no attention call ran with context parallelism "
                      "during the first step (context_parallel_size 1, or no local DotProductAttention)")
@@ -161,7 +162,8 @@ def report(coverage) -> dict:
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.attention_decisions().items()],
         "multi_copy_decisions": [
-            {"key": key.text(), "copies": decision.choice, "source": decision.source,
+            {"key": key.text(), "copies": copies_of(decision.choice), "linears_chunked": isinstance(decision.choice, int),
+             "source": decision.source,
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.copies_decisions().items()],
     }

@@ -1,5 +1,9 @@
 """``COC_MULTI_COPY=auto``: copies or not, per block call shape, decided at its first call and the
-same on every rank of the block's tensor- and context-parallel group.
+same on every rank of the block's tensor- and context-parallel group. With ``COC_PARALLEL_NUM=auto``
+too (or with a fixed copy count and ``COC_PARALLEL_NUM=auto``) the same trials also decide whether
+the copies' tuned linears chunk or run Megatron's path: where the copies already overlap a linear's
+collective with the other copy's compute, CoC's chunks inside them only add smaller collectives
+and hand-overs (measured over the link: copies + CoC 1.126x off, copies alone 1.167x).
 
 The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: the block
 without copies (the baseline: Megatron's forward) and with 2 copies, forward and backward on a
@@ -17,9 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from coc_inject.multi_copy import block as copies_block
-
-BASELINE = 1
-CANDIDATES = (1, 2)
+from coc_inject.routes import copies_of, unchunked
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class CopiesKey:
     sequence_parallel: bool
     device: str
     backward: bool
+    candidates: tuple  # what the trials choose among (a cached choice is only valid for the same)
 
     def text(self) -> str:
         return (f"block [{self.seq}, {self.batch}, {self.hidden}] x {self.layers} layers {self.dtype} TP{self.tp}"
@@ -42,14 +45,27 @@ class CopiesKey:
 
     def cache_fields(self) -> list:
         return ["multi-copy", self.seq, self.batch, self.hidden, self.layers, self.dtype, self.tp, self.cp,
-                self.sequence_parallel, self.device, self.backward]
+                self.sequence_parallel, self.device, self.backward, list(self.candidates)]
 
     def name(self, choice) -> str:
-        return "no copies (Megatron's block)" if choice == 1 else f"{choice} copies"
+        return "no copies (Megatron's block)" if choice == 1 else self.candidate(choice)
 
     @staticmethod
     def candidate(choice) -> str:
-        return "no copies" if choice == 1 else f"{choice} copies"
+        return "no copies" if choice == 1 else f"{choice} copies" if isinstance(choice, int) else choice
+
+
+def candidates(copies: int, copies_auto: bool, linears_auto: bool) -> list:
+    """What the trials compare, the baseline first: no copies (COC_MULTI_COPY=auto) or the copies as
+    set, and the copies with Megatron's linears where COC_PARALLEL_NUM=auto tunes them."""
+    return ([1] if copies_auto else []) + [copies] + ([unchunked(copies)] if linears_auto else [])
+
+
+def split_for(choice, split):
+    """The Split a choice runs (None: no copies)."""
+    if choice == 1:
+        return None
+    return replace(split, copies=copies_of(choice), chunk_linears=isinstance(choice, int))
 
 
 def group_of(block):
@@ -62,9 +78,9 @@ def group_of(block):
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def choose(tuner, block, original, arguments: dict, split) -> int:
-    """1 or ``split.copies`` for this call (``arguments``: from block.bind; trials at the first call
-    of its shape)."""
+def choose(tuner, block, original, arguments: dict, split, choices: list):
+    """This call's Split among ``choices`` (:func:`candidates`), or None for no copies
+    (``arguments``: from block.bind; trials at the first call of its shape)."""
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     config = block.config
     recompute = getattr(config, "recompute_granularity", None) is not None
@@ -72,24 +88,25 @@ def choose(tuner, block, original, arguments: dict, split) -> int:
     key = CopiesKey(hidden.shape[0], hidden.shape[1], hidden.shape[2], len(block.layers),
                     str(hidden.dtype).replace("torch.", ""), config.tensor_model_parallel_size,
                     getattr(config, "context_parallel_size", 1), bool(config.sequence_parallel),
-                    hidden.device.type, backward)
+                    hidden.device.type, backward, tuple(choices))
     params = [p for p in block.parameters() if p.requires_grad]
 
-    def trial(copies):
+    def trial(choice):
         probe = hidden.detach().clone().requires_grad_(backward)
         trial_arguments = dict(arguments, hidden_states=probe) if block.pre_process else arguments
         held = getattr(block, "input_tensor", None)
         with torch.enable_grad() if backward else torch.no_grad():
-            if copies == 1:
+            if choice == 1:
                 if not block.pre_process:
                     block.input_tensor = probe
                 out = original(block, **trial_arguments)
                 block.input_tensor = held
             else:
-                out = copies_block.run_copies(block, original, trial_arguments, replace(split, copies=copies),
+                out = copies_block.run_copies(block, original, trial_arguments, split_for(choice, split),
                                               params_for_grad=True)
             if backward:
                 torch.autograd.grad(out, [probe] + params, torch.ones_like(out), allow_unused=True)
 
-    return tuner.decide(key, group_of(block), hidden.device, [1, split.copies], BASELINE, trial, group_name="TPxCP")
+    choice = tuner.decide(key, group_of(block), hidden.device, choices, choices[0], trial, group_name="TPxCP")
+    return split_for(choice, split)
 

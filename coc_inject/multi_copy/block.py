@@ -44,6 +44,7 @@ class Split:
     copies: int
     batch: int
     cut: tuple  # names of the arguments cut along their batch dimension
+    chunk_linears: bool = True  # False: COC_PARALLEL_NUM=auto's linears run Megatron's path in the copies
 
     @property
     def sizes(self) -> list:
@@ -175,7 +176,8 @@ class CopiesRunner:
     def _turns(self, work, threaded: bool) -> list:
         if not threaded:  # a device's autograd runs its nodes on one engine thread: the copies one after another
             return [item() for item in work]
-        return scheduler.CopyRun(len(work), save=rng.save, restore=rng.restore).run(work)
+        return scheduler.CopyRun(len(work), save=rng.save, restore=rng.restore,
+                                 chunk_linears=self.split.chunk_linears).run(work)
 
 
 def _sum(terms):

@@ -117,10 +117,11 @@ def _patch_grad_ready(patches) -> None:
 
 def _copies_forward(installation, original):
     setting = installation.config.multi_copy
+    copies = 2 if setting == AUTO else setting
+    choices = auto.candidates(copies, setting == AUTO, installation.config.tunes_linears)
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        copies = 2 if setting == AUTO else setting
         reason = copies_block.block_reason(self, copies)
         split = arguments = None
         if reason is None:
@@ -128,9 +129,9 @@ def _copies_forward(installation, original):
             split = copies_block.plan(self, copies, arguments)
             if isinstance(split, str):
                 reason, split = split, None
-        if split is not None and setting == AUTO and auto.choose(
-                installation.tuner(job.MULTI_COPY), self, original, arguments, split) == 1:
-            split, reason = None, AUTO_STEPPED_ASIDE
+        if split is not None and len(choices) > 1:
+            split = auto.choose(installation.tuner(job.MULTI_COPY), self, original, arguments, split, choices)
+            reason = None if split is not None else AUTO_STEPPED_ASIDE
         _count(installation, self, CopiesRoute(split.copies if split else 1, len(self.layers), reason))
         if split is None:
             return original(self, *args, **kwargs)

@@ -38,6 +38,12 @@ def current_copy() -> int | None:
     return getattr(_current, "index", None)
 
 
+def linears_chunked() -> bool:
+    """May CoC chunk a tuned linear here? Not inside copies whose block chose Megatron's linears."""
+    run = current()
+    return run is None or run.chunk_linears
+
+
 @contextlib.contextmanager
 def alone():
     """No hand-over inside: the calling copy keeps the baton (an auto tuner's trials, whose timings
@@ -56,8 +62,10 @@ def alone():
 class CopyRun:
     """One round of ``n`` copies taking turns; :meth:`run` returns each copy's result in order."""
 
-    def __init__(self, n: int, save: Callable[[], object] | None = None, restore: Callable[[object], None] | None = None):
+    def __init__(self, n: int, save: Callable[[], object] | None = None, restore: Callable[[object], None] | None = None,
+                 chunk_linears: bool = True):
         self.n = n
+        self.chunk_linears = chunk_linears
         self._save, self._restore = save, restore
         self._turn = 0
         self._done = [False] * n

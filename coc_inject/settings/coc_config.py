@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from coc_inject.settings import table
+from coc_inject.settings.parsers import AUTO
 from coc_inject.settings.rules import k_range_error, linears_on
 
 
@@ -32,6 +33,11 @@ class CocConfigBehaviour:
     @property
     def enabled(self) -> bool:
         return not self.disabled and linears_on(self.fused, self.parallel_num, self.customized_coc)
+
+    @property
+    def tunes_linears(self) -> bool:
+        """Are some linears' chunk counts left to COC_PARALLEL_NUM=auto (globally or in COC_CUSTOMIZED)?"""
+        return self.enabled and (AUTO in self._chunks_by_shape.values() or (not self.fused and self.parallel_num == AUTO))
 
     @property
     def cp_algorithm(self) -> str | None:
