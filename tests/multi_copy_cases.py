@@ -88,7 +88,7 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     config = CocConfig(**options) if (coc or chunks is not None or copies != 1) else None
     routes = []
     count = copies_install._count
-    copies_install._count = lambda installation, block, route: routes.append((route.copies, route.reason))
+    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)), count(*call))
 
     def after_setup():
         if chunks is not None:
@@ -197,7 +197,7 @@ def train_pipeline(copies=2, steps=3, micro_batches=2, b=4, seq=64, vocab=128, h
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     routes = []
     count = copies_install._count
-    copies_install._count = lambda installation, block, route: routes.append((route.copies, route.reason))
+    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)), count(*call))
     try:
         if copies != 1:
             copies_install.install(CocConfig(multi_copy=copies), transformer_block)
@@ -242,3 +242,18 @@ def train_pipeline(copies=2, steps=3, micro_batches=2, b=4, seq=64, vocab=128, h
     return {"losses": losses, "params": {name: p.detach().clone() for name, p in model.named_parameters()},
             "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "first_stage": first,
             "routes": sorted(set(routes), key=repr)}
+
+
+def train_fused(copies=2, **kwargs):
+    """train() with USE_COC_FUSED_KERNEL=1 on CUDA symmetric memory's fused kernels -- the FAKE CPU
+    kernels of tests/fakes/symm_mem_cpu.py, which check the call contract and compute with gloo --
+    and the backward chunked in 4; how many fused kernel calls ran comes back too."""
+    from tests import fused_cases
+
+    fused_cases.use_fakes(True, symm_mem=True)
+    try:
+        result = train(copies=copies, coc={"fused": True, "fused_backend": "symm_mem"}, chunks=4, **kwargs)
+        result["fused_calls"] = len(fused_cases.fake_calls()["symm_mem"])
+    finally:
+        fused_cases.use_fakes(False)
+    return result

@@ -208,3 +208,16 @@ def test_local_ranks_start_without_coc_variables_and_the_parent_keeps_its_own(mo
         assert "COC_PARALLEL_NUM" not in os.environ and "USE_COC_FUSED_KERNEL" not in os.environ
         assert os.environ["OMP_NUM_THREADS"] == "1"
     assert os.environ["COC_PARALLEL_NUM"] == "4" and os.environ["USE_COC_FUSED_KERNEL"] == "1"
+
+
+def _dies_on_rank_1(rank, world, port):
+    if rank == 1:
+        os._exit(3)
+    return "rank 0 answered" if rank == 0 else None
+
+
+def test_a_rank_that_dies_without_answering_stops_the_run_with_its_exit_code():
+    from coc_inject.bench import ranks
+
+    with pytest.raises(RuntimeError, match="rank 1 exit code 3"):
+        ranks.run_local_ranks(_dies_on_rank_1, 2, ranks.free_port())

@@ -53,6 +53,19 @@ def test_copies_with_tuned_linears_run_megatrons_linears_where_their_trials_are_
 
 
 @newest_only
+def test_with_fused_kernels(pool):
+    """USE_COC_FUSED_KERNEL=1 (symm_mem through fake CPU kernels): each copy's linears run the fused
+    kernel: the block's calls double; the output layer's, one per step outside the block, do not."""
+    want = pool.run("tests.multi_copy_cases:train_fused", copies=1, tp=2, sp=True, b=4)
+    got = pool.run("tests.multi_copy_cases:train_fused", copies=2, tp=2, sp=True, b=4)
+    assert all(r["routes"] == [(2, None)] for r in got), [r["routes"] for r in got]
+    steps = 3
+    assert all(w["fused_calls"] > steps and g["fused_calls"] - steps == 2 * (w["fused_calls"] - steps)
+               for g, w in zip(got, want)), [(g["fused_calls"], w["fused_calls"]) for g, w in zip(got, want)]
+    assert_same_training(got, want)
+
+
+@newest_only
 @pytest.mark.parametrize("granularity", ["selective", "full"])
 def test_with_recompute(pool, granularity):
     extra = {"recompute_method": "uniform", "recompute_num_layers": 1} if granularity == "full" else {}

@@ -71,6 +71,25 @@ def _entry(worker, rank, world, port, queue, args):
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
 
 
+def _answers(queue, procs) -> list:
+    """Every rank's (status, value); a rank that died without one (killed, crashed before
+    _entry: e.g. a script without an ``if __name__ == "__main__"`` guard) stops the run."""
+    from queue import Empty
+
+    answers = []
+    while len(answers) < len(procs):
+        try:
+            answers.append(queue.get(timeout=1.0))
+        except Empty:
+            dead = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
+            if dead and queue.empty():
+                for proc in procs:
+                    proc.kill()
+                codes = ", ".join(f"rank {rank} exit code {procs[rank].exitcode}" for rank in dead)
+                raise RuntimeError(f"a rank process died without reporting ({codes}); its stderr is above")
+    return answers
+
+
 def run_local_ranks(worker, world: int, port: int, *args):
     """Start ``worker(rank, world, port, *args)`` in ``world`` spawned processes; return the
     one non-None result (rank 0's). Raises RuntimeError with every failing rank's traceback."""
@@ -82,7 +101,7 @@ def run_local_ranks(worker, world: int, port: int, *args):
              for rank in range(world)]
     for proc in procs:
         proc.start()
-    answers = [queue.get() for _ in procs]
+    answers = _answers(queue, procs)
     for proc in procs:
         proc.join()
     errors = [value for status, value in answers if status == "error"]
