@@ -47,6 +47,16 @@ def test_a_failing_copy_stops_the_other_and_its_error_reaches_the_caller():
     assert scheduler.CopyRun(2).run([lambda: "a", lambda: "b"]) == ["a", "b"]  # the kept threads serve on
 
 
+def test_a_failure_in_a_copys_own_bookkeeping_reaches_the_caller_and_the_threads_serve_on():
+    def save():  # the RNG save at a copy's end
+        if threading.current_thread().name.startswith("coc-copy"):
+            raise RuntimeError("save broke")
+
+    with pytest.raises(RuntimeError, match="save broke"):
+        scheduler.CopyRun(2, save=save, restore=lambda state: None).run([lambda: 1, lambda: 2])
+    assert scheduler.CopyRun(2).run([lambda: 1, lambda: 2]) == [1, 2]
+
+
 def test_copies_run_on_threads_kept_from_run_to_run_and_a_run_inside_a_copy_gets_its_own():
     """Kept threads: a new thread's allocator arena faults its memory in again at every block call
     (measured: ~100k page faults and 0.6-1 s of system time per 2-layer block fwd+bwd)."""

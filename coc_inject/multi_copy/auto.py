@@ -2,8 +2,8 @@
 same on every rank of the block's tensor- and context-parallel group. With ``COC_PARALLEL_NUM=auto``
 too (or with a fixed copy count and ``COC_PARALLEL_NUM=auto``) the same trials also decide whether
 the copies' tuned linears chunk or run Megatron's path: where the copies already overlap a linear's
-collective with the other copy's compute, CoC's chunks inside them only add smaller collectives
-and hand-overs (measured over the link: copies + CoC 1.126x off, copies alone 1.167x).
+collective with the other copy's compute, CoC's chunks inside them may only add smaller
+collectives and hand-overs; which is faster depends on the shape and the network, so it is timed.
 
 The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: the block
 without copies (the baseline: Megatron's forward) and with 2 copies, forward and backward on a

@@ -114,6 +114,12 @@ class CopyRun:
         if self._restore is not None:
             self._restore(self._saved[index])
 
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._failed is None:
+                self._failed = error
+            self._cond.notify_all()
+
     # -- the caller ---------------------------------------------------------------------------
 
     def run(self, work: Sequence[Callable[[], object]]) -> list:
@@ -125,21 +131,23 @@ class CopyRun:
 
         def body(index: int) -> None:
             _current.run, _current.index = self, index
-            context.enter()
+            entered = False
             try:
-                self._take_turn(index)
-                results[index] = work[index]()
+                try:
+                    context.enter()
+                    entered = True
+                    self._take_turn(index)
+                    results[index] = work[index]()
+                finally:
+                    if self._save is not None:
+                        self._saved[index] = self._save()
+                    if entered:
+                        context.exit()
             except CopyAborted:
                 pass
             except BaseException as error:  # the first failure stops every copy
-                with self._cond:
-                    if self._failed is None:
-                        self._failed = error
-                    self._cond.notify_all()
-            finally:
-                if self._save is not None:
-                    self._saved[index] = self._save()
-                context.exit()
+                self._fail(error)
+            finally:  # whatever failed: the caller must hear that this copy is done
                 _current.run = _current.index = None
                 with self._cond:
                     self._done[index] = True
