@@ -158,8 +158,9 @@ def multi_copy_status(config) -> str:
 
     if config is None or not config.multi_copy_armed:
         return "off (COC_MULTI_COPY=1)"
-    copies = "2 copies where trials find them faster (auto)" if config.multi_copy == AUTO else f"{config.multi_copy} copies"
-    if config.tunes_linears:
+    copies = ("2 or 4 copies (those dividing the micro-batch) or none, as the block's trials find fastest (auto)"
+              if config.multi_copy == AUTO else f"{config.multi_copy} copies")
+    if config.tunes_linears and config.multi_copy != AUTO:
         copies += ", the trials also deciding whether the linears in the copies chunk (COC_PARALLEL_NUM=auto)"
     return (f"TransformerBlock calls as {copies}, split along the batch, taking turns at their collectives "
             f"(backward overlapped on CPU, in turns on GPU/NPU); Megatron's block for: {', '.join(WITHOUT_COPIES)}")

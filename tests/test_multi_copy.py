@@ -128,7 +128,7 @@ def test_auto_decides_at_the_first_step_alike_on_every_rank_and_trains_like_no_c
     got = train_auto(pool, tp=2, sp=True, b=4)
     for result in got:
         choice = result["decisions"][0]["choice"]
-        want = [(2, None)] if choice == 2 else [(1, "auto: no copies were faster for this shape")]
+        want = [(choice, None)] if choice != 1 else [(1, "auto: no copies were faster for this shape")]
         assert result["routes"] == want, result["routes"]
 
 

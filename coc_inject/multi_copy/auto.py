@@ -1,12 +1,12 @@
-"""``COC_MULTI_COPY=auto``: copies or not, per block call shape, decided at its first call and the
-same on every rank of the block's tensor- and context-parallel group. With ``COC_PARALLEL_NUM=auto``
-too (or with a fixed copy count and ``COC_PARALLEL_NUM=auto``) the same trials also decide whether
-the copies' tuned linears chunk or run Megatron's path: where the copies already overlap a linear's
+"""``COC_MULTI_COPY=auto``: no copies, 2 or 4, per block call shape, decided at its first call and
+the same on every rank of the block's tensor- and context-parallel group. With a fixed copy count
+and ``COC_PARALLEL_NUM=auto``, the same kind of trials decide whether the copies' tuned linears
+chunk or run Megatron's path: where the copies already overlap a linear's
 collective with the other copy's compute, CoC's chunks inside them may only add smaller
 collectives and hand-overs; which is faster depends on the shape and the network, so it is timed.
 
 The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: the block
-without copies (the baseline: Megatron's forward) and with 2 copies, forward and backward on a
+without copies (the baseline: Megatron's forward) and with the candidate copies, forward and backward on a
 detached copy of this call's input, gradients taken with ``torch.autograd.grad`` so that no
 parameter gradient (and no DDP hook) is touched; timings MAX-reduced over the group; copies win
 only beyond the noise, so auto is never slower than off by more than the noise. Megatron's
@@ -55,10 +55,18 @@ class CopiesKey:
         return "no copies" if choice == 1 else f"{choice} copies" if isinstance(choice, int) else choice
 
 
-def candidates(copies: int, copies_auto: bool, linears_auto: bool) -> list:
-    """What the trials compare, the baseline first: no copies (COC_MULTI_COPY=auto) or the copies as
-    set, and the copies with Megatron's linears where COC_PARALLEL_NUM=auto tunes them."""
-    return ([1] if copies_auto else []) + [copies] + ([unchunked(copies)] if linears_auto else [])
+# COC_MULTI_COPY=auto's copy counts (those that divide the micro-batch): finer turns hide more
+# where the network is slow (over the emulated link 4 copies ran the GPT step 1.27x off, 2 copies 1.19x).
+AUTO_COPIES = (2, 4)
+
+
+def candidates(copies: int, copies_auto: bool, linears_auto: bool, batch: int) -> list:
+    """What the trials compare, the baseline first. COC_MULTI_COPY=auto: no copies, 2 or 4 copies
+    (the linears as set); a fixed count with COC_PARALLEL_NUM=auto: the copies with CoC's chunks or
+    with Megatron's linears; a fixed count otherwise: nothing to try."""
+    if copies_auto:
+        return [1] + [n for n in AUTO_COPIES if batch % n == 0]
+    return [copies] + ([unchunked(copies)] if linears_auto else [])
 
 
 def split_for(choice, split):

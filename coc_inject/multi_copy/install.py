@@ -117,8 +117,7 @@ def _patch_grad_ready(patches) -> None:
 
 def _copies_forward(installation, original):
     setting = installation.config.multi_copy
-    copies = 2 if setting == AUTO else setting
-    choices = auto.candidates(copies, setting == AUTO, installation.config.tunes_linears)
+    copies = auto.AUTO_COPIES[0] if setting == AUTO else setting  # auto: the split is checked for the fewest
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -129,7 +128,9 @@ def _copies_forward(installation, original):
             split = copies_block.plan(self, copies, arguments)
             if isinstance(split, str):
                 reason, split = split, None
-        if split is not None and len(choices) > 1:
+        choices = [] if split is None else auto.candidates(copies, setting == AUTO, installation.config.tunes_linears,
+                                                           split.batch)
+        if len(choices) > 1:
             split = auto.choose(installation.tuner(job.MULTI_COPY), self, original, arguments, split, choices)
             reason = None if split is not None else AUTO_STEPPED_ASIDE
         _count(installation, self, CopiesRoute(split.copies if split else 1, len(self.layers), reason))

@@ -181,8 +181,9 @@ SETTINGS = (
     Setting("COC_MULTI_COPY", "multi_copy", ChunkCount(MULTI_COPY_ALLOWED), 1,
             "Multi-copy parallel (MindSpore's micro_batch_interleave_num): each TransformerBlock call splits its "
             "micro-batch into n copies along the batch and runs them in turns, one computing while another's "
-            "tensor-parallel collective is in flight, forward and backward. With COC_PARALLEL_NUM=auto the block's "
-            "trials also decide whether the copies' linears chunk. Arms coc-inject on its own.",
+            "tensor-parallel collective is in flight, forward and backward. auto: none, 2 or 4 copies, as the "
+            "block's trials find fastest; a fixed count with COC_PARALLEL_NUM=auto: the trials decide whether the "
+            "copies' linears chunk. Arms coc-inject on its own.",
             agreed=WHEN_SET, arms=UNLESS_OFF),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by the config.
     Setting("COC_CACHE_DIR", None, None, None,
