@@ -103,14 +103,14 @@ def choose(samples: dict, baseline=1) -> tuple:
     return (best if reference - medians[best] > noise else baseline), noise
 
 
-def schedule(candidates: list, rounds: int = TIMED_ROUNDS) -> tuple[list, list]:
-    """Warm-up round (in order), then ``rounds`` timed rounds, each rotated by one: drift in
-    the machine's speed spreads over all candidates."""
+def schedule(candidates: list, rounds: int = TIMED_ROUNDS, warm_ups: int = 1) -> tuple[list, list]:
+    """``warm_ups`` warm-up rounds (in order), then ``rounds`` timed rounds, each rotated by one:
+    drift in the machine's speed spreads over all candidates."""
     timed = []
     for r in range(rounds):
         shift = r % len(candidates)
         timed += candidates[shift:] + candidates[:shift]
-    return list(candidates), timed
+    return list(candidates) * warm_ups, timed
 
 
 def synchronize(device: torch.device) -> None:
@@ -163,7 +163,7 @@ class Tuner:
             decision = Decision(baseline, "deterministic default: COC_DETERMINISTIC=1 runs no trials and "
                                           "nothing is cached for it", {})
         else:
-            samples = self._trials(candidates, group, device, run)
+            samples = self._trials(candidates, group, device, run, getattr(key, "WARM_UPS", 1))
             choice, noise = choose(samples, baseline)
             decision = Decision(choice, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
                                 noise * 1e3)
@@ -183,12 +183,12 @@ class Tuner:
         dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group, device=device)
         return agreed[0]
 
-    def _trials(self, candidates, group, device, run) -> dict:
+    def _trials(self, candidates, group, device, run, warm_ups: int) -> dict:
         with scheduler.alone():  # inside multi-copy's copies: no other copy runs between the timings
-            return self._timed_trials(candidates, group, device, run)
+            return self._timed_trials(candidates, group, device, run, warm_ups)
 
-    def _timed_trials(self, candidates, group, device, run) -> dict:
-        warm_up, timed = schedule(candidates)
+    def _timed_trials(self, candidates, group, device, run, warm_ups: int) -> dict:
+        warm_up, timed = schedule(candidates, warm_ups=warm_ups)
         for chunks in warm_up:
             run(chunks)
         barrier = torch.zeros(1, device=device)

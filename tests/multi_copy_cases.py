@@ -128,6 +128,7 @@ def skewed_tuner(delay, slow_baseline=False):
 
     def skewed(key, group, device, candidates, baseline, run, group_name="TP"):
         def trial(choice):
+            tuner.runs[choice] = tuner.runs.get(choice, 0) + 1
             run(choice)
             if delay and (choice == baseline) == slow_baseline:
                 time.sleep(delay)
@@ -139,6 +140,7 @@ def skewed_tuner(delay, slow_baseline=False):
 
     tuner.decide = skewed
     tuner.deciding = False
+    tuner.runs = {}  # trial runs per candidate
     return tuner
 
 
@@ -148,6 +150,7 @@ def train_auto(skew=None, **kwargs):
     result = train(copies="auto", tuner=tuner, **kwargs)
     result["decisions"] = [{"key": key.text(), "choice": d.choice, "source": d.source}
                            for key, d in tuner.decisions.items()]
+    result["trial_runs"] = dict(tuner.runs)
     return result
 
 

@@ -35,6 +35,7 @@ def test_schedule_warms_up_then_rotates():
     warm_up, timed = tuning.schedule([1, 2, 4], rounds=3)
     assert warm_up == [1, 2, 4]
     assert timed == [1, 2, 4, 2, 4, 1, 4, 1, 2]
+    assert tuning.schedule([1, 2], rounds=1, warm_ups=2) == ([1, 2, 1, 2], [1, 2])
 
 
 # -- the cache -----------------------------------------------------------------------------------

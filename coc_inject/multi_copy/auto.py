@@ -17,6 +17,7 @@ recompute cannot run under ``autograd.grad``: with recompute on, the trials time
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -26,6 +27,10 @@ from coc_inject.routes import copies_of, unchunked
 
 @dataclass(frozen=True)
 class CopiesKey:
+    # Two warm-up rounds: a copy count's first runs are slower for a while (its threads' allocator
+    # arenas still growing); one such run among the three timed ones made the noise hide a 15% gain.
+    WARM_UPS: ClassVar[int] = 2
+
     seq: int  # this rank's rows of the hidden states (after SP / CP)
     batch: int
     hidden: int
