@@ -5,6 +5,7 @@ collective every rank issued (op, group, shape, copy) recorded in order, and the
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 
@@ -86,9 +87,6 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     options = dict(coc or {}, multi_copy=AUTO if copies == "auto" else copies,
                    **({"parallel_num": chunks} if chunks is not None else {}))
     config = CocConfig(**options) if (coc or chunks is not None or copies != 1) else None
-    routes = []
-    count = copies_install._count
-    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)), count(*call))
 
     def after_setup():
         if chunks is not None:
@@ -101,18 +99,30 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     if kwargs.get("recompute_granularity"):
         _cpu_rng_for_recompute()
     recorder = CollectiveRecorder() if record else None
-    try:
-        if recorder is not None:
-            recorder.__enter__()
-        result = cp_gpt_cases.train(tp, cp, config, after_setup=after_setup, **kwargs)
-    finally:
-        job.uninstall()
-        copies_install._count = count
-        if recorder is not None:
-            recorder.__exit__()
+    with recorded_routes() as routes:
+        try:
+            if recorder is not None:
+                recorder.__enter__()
+            result = cp_gpt_cases.train(tp, cp, config, after_setup=after_setup, **kwargs)
+        finally:
+            job.uninstall()
+            if recorder is not None:
+                recorder.__exit__()
     result["routes"] = sorted(set(routes), key=repr)
     result["collectives"] = recorder.calls if recorder is not None else None
     return result
+
+
+@contextlib.contextmanager
+def recorded_routes():
+    """The (copies, reason) of every block call made inside, counted on into the coverage too."""
+    routes = []
+    count = copies_install._count
+    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)), count(*call))
+    try:
+        yield routes
+    finally:
+        copies_install._count = count
 
 
 def skewed_tuner(delay, slow_baseline=False):
@@ -198,10 +208,8 @@ def train_pipeline(copies=2, steps=3, micro_batches=2, b=4, seq=64, vocab=128, h
     reinitialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
     cp_gpt_cases._parallel_state_key = None  # the next setup initialises again
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    routes = []
-    count = copies_install._count
-    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)), count(*call))
-    try:
+    with recorded_routes() as routes, contextlib.ExitStack() as installed:
+        installed.callback(job.uninstall)
         if copies != 1:
             copies_install.install(CocConfig(multi_copy=copies), transformer_block)
         model = cp_gpt_cases.build_gpt(tp, 1, hidden=hidden, layers=layers, seq=seq, vocab=vocab, sp=True,
@@ -239,9 +247,6 @@ def train_pipeline(copies=2, steps=3, micro_batches=2, b=4, seq=64, vocab=128, h
                     dist.all_reduce(param.grad, group=tp_group)
             optimizer.step()
             losses.append(sum(o.item() for o in outputs) if last else 0.0)
-    finally:
-        job.uninstall()
-        copies_install._count = count
     return {"losses": losses, "params": {name: p.detach().clone() for name, p in model.named_parameters()},
             "tp_rank": parallel_state.get_tensor_model_parallel_rank(), "first_stage": first,
             "routes": sorted(set(routes), key=repr)}
