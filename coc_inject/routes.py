@@ -95,6 +95,11 @@ def copies_of(choice) -> int:
     """The copy count of a multi-copy choice (a count, or :func:`unchunked`'s text)."""
     return choice if isinstance(choice, int) else int(choice.split()[0])
 
+
+def chunks_linears(choice) -> bool:
+    """Do a multi-copy choice's tuned linears keep CoC's chunks (a plain count) or not (:func:`unchunked`)?"""
+    return isinstance(choice, int)
+
 # Attention's algorithm when COC_FLASH_ATTN left a call to Megatron's attention.
 MEGATRON_ATTENTION = "Megatron's attention"
 

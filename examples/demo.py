@@ -143,11 +143,16 @@ WARM_UP_STEPS = 3  # step 1: first calls and auto's trials; steps 2-3: glibc's m
 
 
 def steady(result) -> float:
-    """Median step time after the warm-up steps. glibc returns large freed blocks to the kernel until
-    its dynamic mmap / trim thresholds have grown, so the first steps fault memory in again (most for
+    """Median step time after the warm-up steps."""
+    return statistics.median(steady_times(result))
+
+
+def steady_times(result) -> list:
+    """The step times after the warm-up. glibc returns large freed blocks to the kernel until its
+    dynamic mmap / trim thresholds have grown, so the first steps fault memory in again (most for
     multi-copy's threads, each with its own arena); MALLOC_MMAP_THRESHOLD_ set removes it."""
     times = result["step_times"]
-    return statistics.median(times[first_steady(len(times)) - 1:])
+    return times[first_steady(len(times)) - 1:]
 
 
 def first_steady(steps: int) -> int:
@@ -280,7 +285,7 @@ def cp_link(cp1, rate, steps, algorithms, rounds) -> bool:
             print(f" COC_CP_ALGO={algorithm}:")
             ran[algorithm] = print_algorithms(workdir, f"{algorithm}-0", 2)
     # Medians over every round's steps after the warm-up; each round's ratio from that round's two medians.
-    medians = {a: statistics.median(t for r in rs for t in r["step_times"][1:]) for a, rs in results.items()}
+    medians = {a: statistics.median(t for r in rs for t in steady_times(r)) for a, rs in results.items()}
     print(f"\nmedian step time over the link (steps {first_steady(steps)}..{steps}" + (", all rounds" if rounds > 1 else "") + "): "
           + ", ".join(f"{a} {1e3 * m:.1f} ms" for a, m in medians.items())
           + f"; CP=1 on one core, no link: {1e3 * steady(cp1):.1f} ms")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 
 from coc_inject import log, megatron_version
-from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused, MegatronPath, copies_of
+from coc_inject.routes import (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused,
+                               MegatronPath, chunks_linears, copies_of)
 
 REPORT_VERSION = 1
 
@@ -162,7 +163,7 @@ def report(coverage) -> dict:
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.attention_decisions().items()],
         "multi_copy_decisions": [
-            {"key": key.text(), "copies": copies_of(decision.choice), "linears_chunked": isinstance(decision.choice, int),
+            {"key": key.text(), "copies": copies_of(decision.choice), "linears_chunked": chunks_linears(decision.choice),
              "source": decision.source,
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.copies_decisions().items()],

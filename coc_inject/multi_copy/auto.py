@@ -1,13 +1,13 @@
 """``COC_MULTI_COPY=auto``: no copies, 2 or 4, per block call shape, decided at its first call and
 the same on every rank of the block's tensor- and context-parallel group. With a fixed copy count
 and ``COC_PARALLEL_NUM=auto``, the same kind of trials decide whether the copies' tuned linears
-chunk or run Megatron's path: where the copies already overlap a linear's
-collective with the other copy's compute, CoC's chunks inside them may only add smaller
-collectives and hand-overs; which is faster depends on the shape and the network, so it is timed.
+chunk or run Megatron's path: where the copies already overlap a linear's collective with the
+other copy's compute, CoC's chunks inside them may only add smaller collectives and hand-overs;
+which is faster depends on the shape and the network, so it is timed.
 
 The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: the block
-without copies (the baseline: Megatron's forward) and with the candidate copies, forward and backward on a
-detached copy of this call's input, gradients taken with ``torch.autograd.grad`` so that no
+without copies (the baseline: Megatron's forward) and with the candidate copies, forward and
+backward on a detached copy of this call's input, gradients taken with ``torch.autograd.grad`` so that no
 parameter gradient (and no DDP hook) is touched; timings MAX-reduced over the group; copies win
 only beyond the noise, so auto is never slower than off by more than the noise. Megatron's
 recompute cannot run under ``autograd.grad``: with recompute on, the trials time the forward only
@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 
 from coc_inject.multi_copy import block as copies_block
-from coc_inject.routes import copies_of, unchunked
+from coc_inject.routes import chunks_linears, copies_of, unchunked
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def split_for(choice, split):
     """The Split a choice runs (None: no copies)."""
     if choice == 1:
         return None
-    return replace(split, copies=copies_of(choice), chunk_linears=isinstance(choice, int))
+    return replace(split, copies=copies_of(choice), chunk_linears=chunks_linears(choice))
 
 
 def group_of(block):

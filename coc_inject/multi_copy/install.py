@@ -118,6 +118,7 @@ def _patch_grad_ready(patches) -> None:
 def _copies_forward(installation, original):
     setting = installation.config.multi_copy
     copies = auto.AUTO_COPIES[0] if setting == AUTO else setting  # auto: the split is checked for the fewest
+    linears_auto = installation.config.tunes_linears  # the config is frozen: read once, not per block call
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
@@ -128,8 +129,7 @@ def _copies_forward(installation, original):
             split = copies_block.plan(self, copies, arguments)
             if isinstance(split, str):
                 reason, split = split, None
-        choices = [] if split is None else auto.candidates(copies, setting == AUTO, installation.config.tunes_linears,
-                                                           split.batch)
+        choices = [] if split is None else auto.candidates(copies, setting == AUTO, linears_auto, split.batch)
         if len(choices) > 1:
             split = auto.choose(installation.tuner(job.MULTI_COPY), self, original, arguments, split, choices)
             reason = None if split is not None else AUTO_STEPPED_ASIDE
