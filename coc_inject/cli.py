@@ -12,7 +12,7 @@
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
 * ``tune [...]``: ``COC_PARALLEL_NUM=auto``'s (and with ``--cp``, ``COC_CP_ALGO=auto``'s) decisions for
   given shapes / model dimensions, made ahead of a job into the tune cache, and the equivalent fixed
-  settings (coc_inject.bench.tune).
+  settings (coc_inject.tuning.offline).
 * ``selftest [...]``: each available backend vs the unfused result (coc_inject.selftest).
 """
 
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
 
         return bench_main(argv[1:])
     if argv[:1] == ["tune"]:
-        from coc_inject.bench.tune import main as tune_main
+        from coc_inject.tuning.offline import main as tune_main
 
         return tune_main(argv[1:])
     if argv[:1] == ["selftest"]:

@@ -99,7 +99,7 @@ class Installation:
     def tuner(self, wing: str):
         tuner = self.tuners.get(wing)
         if tuner is None:
-            from coc_inject.tuning import Tuner, cache_for  # torch: only once an auto call runs
+            from coc_inject.tuning.online import Tuner, cache_for  # torch: only once an auto call runs
 
             tuner = self.tuners[wing] = Tuner(self.config, cache_for(self.config))
         return tuner

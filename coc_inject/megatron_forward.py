@@ -17,10 +17,9 @@ from typing import Callable
 
 import torch
 
-from coc_inject import job, log
+from coc_inject import copy_context, job, log
 from coc_inject.config import AUTO, CocConfig
 from coc_inject.linear_guards import column_guards, row_guards
-from coc_inject.multi_copy import scheduler
 from coc_inject.pipeline import agreement
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
@@ -162,7 +161,7 @@ class CocEngine:
         chunks = self.config.chunks_for(m, k, n)
         if chunks == 1:
             return MegatronPath(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
-        if chunks == AUTO and not scheduler.linears_chunked():
+        if chunks == AUTO and not copy_context.linears_chunked():
             return MegatronPath(COPIES_CHOSE_MEGATRON, expected=True)
         self.ensure_agreement(call.group, call.coc_input.device)
         if chunks == -1:
@@ -199,7 +198,7 @@ class CocEngine:
         or MegatronPath when that is Megatron's own path (N=1)."""
         if self.tuner is None:
             self.installation.tuner(job.LINEARS)
-        from coc_inject.tuning import DecisionKey
+        from coc_inject.tuning.online import DecisionKey
 
         layer, coc_input, weight, group = call.layer, call.coc_input, call.weight, call.group
         backward = torch.is_grad_enabled() and (coc_input.requires_grad or weight.requires_grad)

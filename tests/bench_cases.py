@@ -12,7 +12,7 @@ def auto_variant(*, case, chunks, reps, tune_cache, slow=(), slow_rank=1, second
     """measure_case with ``auto``; on ``slow_rank`` the trial runs of the counts in ``slow`` take
     ``seconds`` longer (a real delay, so the decision is known). Counts every decision the
     engine's tuners make while the case is measured."""
-    from coc_inject import tuning
+    from coc_inject.tuning import online as tuning
     from coc_inject.bench import layers
 
     decide, chunks_for = tuning.Tuner._decide, tuning.Tuner.chunks

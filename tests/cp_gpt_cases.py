@@ -119,7 +119,7 @@ def cp_slice(tensor, dim, cp, cp_rank):
 
 def _skew_trials(name, seconds):
     """This rank's trial runs of the algorithm ``name`` take ``seconds`` longer (a real delay)."""
-    from coc_inject.tuning import Tuner, cache_for
+    from coc_inject.tuning.online import Tuner, cache_for
 
     config = job.current().config
     tuner = job.current().tuners[job.ATTENTION] = Tuner(config, cache_for(config))

@@ -12,7 +12,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from coc_inject.multi_copy import install as copies_install, scheduler
+from coc_inject import copy_context
+from coc_inject.multi_copy import install as copies_install
 from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
 from tests import cp_gpt_cases
 from tests.dist_harness import reinitialize_model_parallel
@@ -62,7 +63,7 @@ class CollectiveRecorder:
             shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (
                 [tuple(t.shape) for t in first] if isinstance(first, list) and first
                 and isinstance(first[0], torch.Tensor) else None)
-            self.calls.append((name, ranks, shape, scheduler.current_copy()))
+            self.calls.append((name, ranks, shape, copy_context.current_copy()))
             return original(*args, **kwargs)
 
         record.__wrapped__ = original  # coc-inject reads the signature through it
@@ -131,7 +132,7 @@ def skewed_tuner(delay, slow_baseline=False):
     import time
 
     from coc_inject.config import CocConfig
-    from coc_inject.tuning import Tuner
+    from coc_inject.tuning.online import Tuner
 
     tuner = Tuner(CocConfig(), None)
     decide = tuner.decide

@@ -126,7 +126,7 @@ def train_auto(pool, **kwargs):
 @newest_only
 def test_auto_decides_at_the_first_step_alike_on_every_rank_and_trains_like_no_copies(pool):
     from coc_inject.multi_copy.auto import CopiesKey
-    from coc_inject.tuning import TIMED_ROUNDS
+    from coc_inject.tuning.online import TIMED_ROUNDS
 
     got = train_auto(pool, tp=2, sp=True, b=4)
     for result in got:  # none, 2 and 4 copies, each warmed up twice (the copies' threads' first runs are slow)

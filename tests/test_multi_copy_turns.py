@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from coc_inject import job
+from coc_inject import copy_context, job
 from coc_inject.config import CocConfig
 from coc_inject.multi_copy import install, scheduler
 
@@ -18,7 +18,7 @@ def test_copies_alternate_at_their_hand_overs_and_never_run_together():
 
     def copy(index, steps):
         def work():
-            run = scheduler.current()
+            run = copy_context.current()
             for step in range(steps):
                 running.append(index)
                 assert len(running) == 1, "two copies ran at once"
@@ -35,12 +35,12 @@ def test_copies_alternate_at_their_hand_overs_and_never_run_together():
 
 def test_a_failing_copy_stops_the_other_and_its_error_reaches_the_caller():
     def fails():
-        scheduler.current().hand_over()
+        copy_context.current().hand_over()
         raise ValueError("copy 0 broke")
 
     def waits_forever():
         while True:
-            scheduler.current().hand_over()
+            copy_context.current().hand_over()
 
     with pytest.raises(ValueError, match="copy 0 broke"):
         scheduler.CopyRun(2).run([fails, waits_forever])
@@ -107,7 +107,7 @@ def test_copies_see_their_own_rng_state_and_the_caller_goes_on_from_copy_0s():
 
     def draw():
         first = torch.rand(1)
-        scheduler.current().hand_over()
+        copy_context.current().hand_over()
         return first, torch.rand(1)
 
     run = scheduler.CopyRun(2, save=rng.save, restore=rng.restore)
@@ -135,7 +135,7 @@ def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monk
     def copy():
         for param in params:
             group.register_grad_ready(param)
-            scheduler.current().hand_over()
+            copy_context.current().hand_over()
 
     install.install(CocConfig(multi_copy=2), transformer_block)
     try:
@@ -165,11 +165,11 @@ def test_alone_keeps_the_baton_until_it_ends():
 
     def copy(index):
         def work():
-            with scheduler.alone():
+            with copy_context.alone():
                 trace.append((index, "trial"))
-                scheduler.current().hand_over()  # suspended: no other copy runs here
+                copy_context.current().hand_over()  # suspended: no other copy runs here
                 trace.append((index, "trial done"))
-            scheduler.current().hand_over()
+            copy_context.current().hand_over()
             trace.append((index, "after"))
         return work
 

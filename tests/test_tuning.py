@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from coc_inject import tuning
-from coc_inject.tune_cache import TuneCache
-from coc_inject.tuning import DecisionKey
+from coc_inject.tuning import online as tuning
+from coc_inject.tuning.cache import TuneCache
+from coc_inject.tuning.online import DecisionKey
 from scope import newest_only
 
 KEY = DecisionKey("row", 32, 32, 32, "float32", 2, "cpu", True)

@@ -33,7 +33,7 @@ def auto_call(kind, *, sequence_parallel, cache=None, deterministic=False, skew=
     Returns errors, decisions (chunks, source), CoC calls and the log."""
     from coc_inject import log, patching
     from coc_inject.config import AUTO, CocConfig
-    from coc_inject.tuning import Tuner, cache_for
+    from coc_inject.tuning.online import Tuner, cache_for
 
     patching.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,

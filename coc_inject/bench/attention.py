@@ -41,7 +41,7 @@ from coc_inject.config import CocConfig
 from coc_inject.context_parallel import blocks, comm, ring
 from coc_inject.context_parallel.auto import BASELINE, AttentionKey
 from coc_inject.context_parallel.function import ContextParallelAttention
-from coc_inject.tuning import Tuner
+from coc_inject.tuning.online import Tuner
 
 CASES = ("attention",)
 WARMUP = 1  # untimed repetitions before the timed ones

@@ -1,6 +1,6 @@
 """``COC_CP_ALGO=auto``: each attention shape's algorithm, chosen at its first call, the same on every rank.
 
-The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: every
+The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.online.Tuner.decide) runs the trials: every
 candidate of the layer (ring always; Double-Ring, Ulysses, hybrid and all-gather where the shape
 and the configured sub-group sizes allow) forward and backward on detached copies of this call's
 q, k, v (no parameter gradient is touched), timings MAX-reduced over the CP group, the noise rule
@@ -11,6 +11,7 @@ against the documented fixed choice ``ring`` (Megatron's default ``p2p``), decis
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +22,8 @@ BASELINE = "ring"
 
 @dataclass(frozen=True)
 class AttentionKey:
+    WARM_UPS: ClassVar[int] = 1
+
     seq: int  # the whole sequence (all CP ranks)
     batch: int
     heads: int  # per tensor-parallel rank
@@ -45,6 +48,8 @@ class AttentionKey:
 
     def name(self, choice) -> str:
         return choice
+
+    candidate = name
 
 
 def choose(tuner, plan, query, key, value, causal: bool, tp: int, kernel):

@@ -5,7 +5,7 @@ chunk or run Megatron's path: where the copies already overlap a linear's collec
 other copy's compute, CoC's chunks inside them may only add smaller collectives and hand-overs;
 which is faster depends on the shape and the network, so it is timed.
 
-The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.Tuner.decide) runs the trials: the block
+The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.online.Tuner.decide) runs the trials: the block
 without copies (the baseline: Megatron's forward) and with the candidate copies, forward and
 backward on a detached copy of this call's input, gradients taken with ``torch.autograd.grad`` so that no
 parameter gradient (and no DDP hook) is touched; timings MAX-reduced over the group; copies win

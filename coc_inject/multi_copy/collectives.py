@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 
-from coc_inject.multi_copy import scheduler
+from coc_inject import copy_context
 
 # torch.distributed functions with an ``async_op`` parameter that Megatron's layers and
 # coc-inject's engines call; point-to-point ops go through batch_isend_irecv (always async).
@@ -53,7 +53,7 @@ def wrap(original, observe=None):
         async_index = None
 
     def collective(*args, **kwargs):
-        run = scheduler.current()
+        run = copy_context.current()
         if run is None:
             return original(*args, **kwargs)
         if async_index is not None and len(args) > async_index:
@@ -78,7 +78,7 @@ def wrap(original, observe=None):
 def wrap_batch(original):
     def batch_isend_irecv(p2p_op_list):
         works = original(p2p_op_list)
-        run = scheduler.current()
+        run = copy_context.current()
         return works if run is None else [HandOverWork(work, run) for work in works]
 
     batch_isend_irecv.__wrapped__ = original

@@ -19,9 +19,9 @@ import sys
 
 import torch.distributed as dist
 
-from coc_inject import job, log
+from coc_inject import copy_context, job, log
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import auto, block as copies_block, collectives, scheduler
+from coc_inject.multi_copy import auto, block as copies_block, collectives
 from coc_inject.routes import CopiesRoute
 
 AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
@@ -86,7 +86,7 @@ def _patch_memory_buffer(patches) -> None:
 
     @functools.wraps(original)
     def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
-        copy = scheduler.current_copy()
+        copy = copy_context.current_copy()
         return original(self, tensor_shape, dtype, name if copy is None else f"{name}@copy{copy}", *args, **kwargs)
 
     patches.patch(cls, "get_tensor", get_tensor)
@@ -107,7 +107,7 @@ def _patch_grad_ready(patches) -> None:
 
     @functools.wraps(original)
     def register_grad_ready(self, param, *args, **kwargs):
-        run = scheduler.current()
+        run = copy_context.current()
         if run is not None and run.count_once(param) < run.n:
             return None
         return original(self, param, *args, **kwargs)

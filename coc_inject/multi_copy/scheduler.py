@@ -22,41 +22,10 @@ import queue
 import threading
 from typing import Callable, Sequence
 
-_current = threading.local()
-
+from coc_inject import copy_context
 
 class CopyAborted(RuntimeError):
     """Another copy failed: this one stops at its next hand-over."""
-
-
-def current() -> "CopyRun | None":
-    """The run the calling thread is a copy of, or None outside copies."""
-    return getattr(_current, "run", None)
-
-
-def current_copy() -> int | None:
-    return getattr(_current, "index", None)
-
-
-def linears_chunked() -> bool:
-    """May CoC chunk a tuned linear here? Not inside copies whose block chose Megatron's linears."""
-    run = current()
-    return run is None or run.chunk_linears
-
-
-@contextlib.contextmanager
-def alone():
-    """No hand-over inside: the calling copy keeps the baton (an auto tuner's trials, whose timings
-    another copy's work would disturb); its collectives are waited for where they are."""
-    run = current()
-    if run is None:
-        yield
-        return
-    run.alone += 1
-    try:
-        yield
-    finally:
-        run.alone -= 1
 
 
 class CopyRun:
@@ -84,7 +53,7 @@ class CopyRun:
 
     def hand_over(self) -> None:
         """The calling copy is about to wait for the network: let the next copy run meanwhile."""
-        index = _current.index
+        index = copy_context.current_copy()
         nxt = self._next_after(index)
         if nxt == index or self.alone:
             return
@@ -130,7 +99,7 @@ class CopyRun:
         self._saved = [first_state] * self.n
 
         def body(index: int) -> None:
-            _current.run, _current.index = self, index
+            copy_context.enter(self, index)
             entered = False
             try:
                 try:
@@ -148,7 +117,7 @@ class CopyRun:
             except BaseException as error:  # the first failure stops every copy
                 self._fail(error)
             finally:  # whatever failed: the caller must hear that this copy is done
-                _current.run = _current.index = None
+                copy_context.leave()
                 with self._cond:
                     self._done[index] = True
                     nxt = self._next_after(index)

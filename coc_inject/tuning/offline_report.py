@@ -9,9 +9,9 @@ import json
 import os
 import shlex
 
-from coc_inject.bench import tune_attention
+from coc_inject.tuning import offline_attention as tune_attention
 from coc_inject.config import _shape_text
-from coc_inject.tune_cache import TuneCache
+from coc_inject.tuning.cache import TuneCache
 
 
 def describe_where(plan, threads: int) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coc_inject.tune_cache import TuneCache
+from coc_inject.tuning.cache import TuneCache
 
 SHAPE_ALLOWED = ("attention:SEQ,BATCH,HEADS,GROUPS,DIM with integers >= 1 (the whole sequence, micro-batch, the "
                  "model's attention heads and key/value groups, head dim); needs --cp >= 2")
@@ -68,7 +68,7 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int, forward_only_too
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from coc_inject.context_parallel import groups, install
-    from coc_inject.tuning import hardware_identity
+    from coc_inject.tuning.online import hardware_identity
 
     groups.make_configured(config.cp_ulysses_degree, parallel_state)
     install.install(config, dot_product_attention)

@@ -17,7 +17,7 @@ equivalent ``COC_CUSTOMIZED`` for jobs that do not use ``auto``.
 
 With ``--cp`` >= 2 the attention shapes (``--shape attention:...``, or the model dimensions with
 ``--heads``) are decided too, through Megatron's local attention with ``COC_CP_ALGO=auto``
-(coc_inject.bench.tune_attention); Megatron's parallel state gets the job's TP and CP sizes
+(coc_inject.tuning.offline_attention); Megatron's parallel state gets the job's TP and CP sizes
 (under torchrun give ``--tp`` with ``--cp``: the rest of the job may be data-parallel).
 
 Where it runs is ``coc-inject bench``'s choice: local CPU ranks over gloo (``--world``, default
@@ -36,7 +36,8 @@ import sys
 from dataclasses import dataclass
 
 from coc_inject import log, patching
-from coc_inject.bench import ranks, tune_attention, tune_report
+from coc_inject.bench import ranks
+from coc_inject.tuning import offline_attention as tune_attention, offline_report as tune_report
 from coc_inject.bench.ranks import Setup
 from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
 from coc_inject.routes import CASE_NAMES, LayerCase
@@ -296,7 +297,7 @@ def _tune_linears(plan, dtype, device) -> dict:
     import torch  # as in tune_rank: only in the ranks
 
     from coc_inject.bench import layers
-    from coc_inject.tuning import hardware_identity
+    from coc_inject.tuning.online import hardware_identity
 
     patching.install(plan.config)
     try:

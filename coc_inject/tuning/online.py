@@ -30,21 +30,37 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
-from coc_inject import log
-from coc_inject.multi_copy import scheduler
+from coc_inject import copy_context, log
 from coc_inject.routes import LayerCase
 
 TIMED_ROUNDS = 3
 NOISE_FLOOR = 0.03  # a CoC count must be at least 3% faster than Megatron's path
 
 
+class Key(Protocol):
+    """What the tuner decides once for: a hashable key that names itself and its choices. Each wing
+    has one (DecisionKey for the linears, context_parallel.auto.AttentionKey, multi_copy.auto.CopiesKey)."""
+
+    WARM_UPS: ClassVar[int]  # untimed rounds of every candidate before the timed ones
+
+    def text(self) -> str: ...  # the shape, for the decision's log line
+
+    def cache_fields(self) -> list: ...  # what the cache keys the decision by (with the hardware identity)
+
+    def name(self, choice) -> str: ...  # a choice as the log line names it
+
+    def candidate(self, choice) -> str: ...  # a choice in the log line's list of timings
+
+
 @dataclass(frozen=True)
 class DecisionKey:
+    WARM_UPS: ClassVar[int] = 1
+
     case: LayerCase  # or its value
     m: int
     k: int
@@ -64,6 +80,10 @@ class DecisionKey:
     def name(self, choice) -> str:
         return "Megatron's own path (N=1)" if choice == 1 else f"N={choice}"
 
+    @staticmethod
+    def candidate(choice) -> str:
+        return f"N={choice}"
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -79,8 +99,7 @@ class Decision:
     def describe(self, key) -> str:
         text = f"auto: {key.text()} -> {key.name(self.choice)} ({self.source}"
         if self.times_ms:
-            label = getattr(key, "candidate", None) or (lambda c: f"N={c}" if isinstance(c, int) else c)
-            times = ", ".join(f"{label(c)} {t:.2f} ms" for c, t in self.times_ms.items())
+            times = ", ".join(f"{key.candidate(c)} {t:.2f} ms" for c, t in self.times_ms.items())
             text += f": {times}; noise {self.noise_ms:.2f} ms; median of {TIMED_ROUNDS} runs, max over ranks"
         return text + ")"
 
@@ -163,7 +182,7 @@ class Tuner:
             decision = Decision(baseline, "deterministic default: COC_DETERMINISTIC=1 runs no trials and "
                                           "nothing is cached for it", {})
         else:
-            samples = self._trials(candidates, group, device, run, getattr(key, "WARM_UPS", 1))
+            samples = self._trials(candidates, group, device, run, key.WARM_UPS)
             choice, noise = choose(samples, baseline)
             decision = Decision(choice, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
                                 noise * 1e3)
@@ -184,7 +203,7 @@ class Tuner:
         return agreed[0]
 
     def _trials(self, candidates, group, device, run, warm_ups: int) -> dict:
-        with scheduler.alone():  # inside multi-copy's copies: no other copy runs between the timings
+        with copy_context.alone():  # inside multi-copy's copies: no other copy runs between the timings
             return self._timed_trials(candidates, group, device, run, warm_ups)
 
     def _timed_trials(self, candidates, group, device, run, warm_ups: int) -> dict:
@@ -212,6 +231,6 @@ def cache_for(config):
     """The TuneCache of this config (None with COC_TUNE_CACHE=off)."""
     if config.tune_cache is None:
         return None
-    from coc_inject.tune_cache import TuneCache
+    from coc_inject.tuning.cache import TuneCache
 
     return TuneCache(os.path.expanduser(config.tune_cache))
