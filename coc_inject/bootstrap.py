@@ -22,6 +22,8 @@ WING_HOOKS = (
     ("coc_inject.context_parallel.install:on_parallel_state_imported", "megatron.core.parallel_state"),
     # Multi-copy parallel: the TransformerBlock.
     ("coc_inject.multi_copy.install:on_transformer_block_imported", "megatron.core.transformer.transformer_block"),
+    # MoE: the MoE layer (its dispatcher and experts are imported by it).
+    ("coc_inject.moe.install:on_moe_layer_imported", "megatron.core.transformer.moe.moe_layer"),
 )
 TRIGGER = "megatron"
 
@@ -46,12 +48,15 @@ REQUESTING = {
     "COC_ATTN_KERNEL": (),  # the config says when it is given alone
     "COC_FLASH_ATTN": _FALSE_WORDS,
     "COC_MULTI_COPY": ("1",),
+    "COC_MOE_OVERLAP": _FALSE_WORDS,
 }
 # MindSpeed's command-line switches. The config rejects the CoC ones without --use-ascend-coc;
 # they count as a request here so that it is the config that says so.
 ARGV_FLAGS = ("--use-ascend-coc", "--coc-parallel-num", "--coc-fused-kernel",
               # context parallelism (the config says when one is given without an algorithm)
-              "--context-parallel-algo", "--cp-window-size", "--ulysses-degree-in-cp", "--attention-mask-type")
+              "--context-parallel-algo", "--cp-window-size", "--ulysses-degree-in-cp", "--attention-mask-type",
+              # MoE
+              "--moe-alltoall-overlap-comm")
 
 _finder = None  # the installed _MegatronTrigger, if any
 _hook_registered = False

@@ -418,6 +418,9 @@ CASES = [
     ({"COC_DISABLE": "", "COC_PARALLEL_NUM": "4"}, [], True),
     ({"COC_DISABLE": "bogus", "COC_PARALLEL_NUM": "4"}, [], True),
     ({"COC_LOG_LEVEL": "debug", "OTHER": "4"}, [], False),
+    ({"COC_MOE_OVERLAP": "auto"}, [], True),
+    ({"COC_MOE_OVERLAP": "Off"}, [], False),
+    ({}, ["train.py", "--moe-alltoall-overlap-comm"], True),
 ]
 
 

@@ -86,7 +86,7 @@ def test_reference_covers_every_variable_once():
         "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
         "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT",
         "COC_TUNE_CANDIDATES", "COC_TUNE_CACHE", "COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE",
-        "COC_CP_MASK_TYPE", "COC_ATTN_KERNEL", "COC_FLASH_ATTN", "COC_MULTI_COPY", "COC_CACHE_DIR",
+        "COC_CP_MASK_TYPE", "COC_ATTN_KERNEL", "COC_FLASH_ATTN", "COC_MULTI_COPY", "COC_MOE_OVERLAP", "COC_CACHE_DIR",
     ]
     for setting in ENV_REFERENCE + FILE_REFERENCE:
         assert setting.default and setting.allowed and setting.meaning
@@ -923,3 +923,28 @@ def test_multi_copy_bad_values_name_the_variable_and_what_is_allowed(text):
 def test_multi_copy_is_agreed_across_ranks_when_set():
     assert load_config({"COC_MULTI_COPY": "2"}).fingerprint() != load_config({}).fingerprint()
     assert load_config({"COC_MULTI_COPY": "1"}).fingerprint() == load_config({}).fingerprint()
+
+
+@pytest.mark.parametrize("text,want", [("1", "1"), ("on", "1"), (" AUTO ", "auto"), ("0", "0"), ("off", "0"), ("", "0")])
+def test_moe_overlap_values(text, want):
+    config = load_config({"COC_MOE_OVERLAP": text})
+    assert config.moe_overlap == want
+    assert config.armed == (want != "0") and config.moe_armed == (want != "0")
+    assert not config.enabled and config.cp_algorithm is None and not config.multi_copy_armed  # MoE alone
+    assert load_config({"COC_MOE_OVERLAP": text, "COC_DISABLE": "1"}).moe_armed is False
+
+
+@pytest.mark.parametrize("text", ["2", "pieces", "-1"])
+def test_moe_overlap_bad_values_name_the_variable_and_what_is_allowed(text):
+    with pytest.raises(ConfigError) as error:
+        load_config({"COC_MOE_OVERLAP": text})
+    assert str(error.value).startswith(f"COC_MOE_OVERLAP={text!r} is invalid: expected 0 (off), 1 (pieces) or auto")
+
+
+def test_mindspeed_moe_overlap_flag_reads_as_1_and_leaves_argv():
+    flags, rest = extract_cp_flags(["train.py", "--moe-alltoall-overlap-comm", "--num-experts", "4"])
+    assert rest == ["train.py", "--num-experts", "4"]
+    assert load_config({}, cp_flags=flags).moe_overlap == "1"
+    assert load_config({"COC_MOE_OVERLAP": "1"}, cp_flags=flags).moe_overlap == "1"
+    assert "disagrees with COC_MOE_OVERLAP=auto" in str(error_of({"COC_MOE_OVERLAP": "auto"}, cp_flags=flags))
+    assert load_config({"COC_MOE_OVERLAP": "auto"}).fingerprint() != load_config({}).fingerprint()

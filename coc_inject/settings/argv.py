@@ -93,7 +93,8 @@ def extract_cp_flags(argv: list) -> tuple:
     """Take MindSpeed's context-parallel flags out of ``argv``: (given flags by CocConfig field, the rest).
 
     ``--context-parallel-algo``, ``--cp-window-size``, ``--ulysses-degree-in-cp`` and
-    ``--attention-mask-type`` take a value (``--flag V`` or ``--flag=V``); ``--use-cp-send-recv-overlap``
-    is accepted and dropped. Everything after a bare ``--`` is left alone.
+    ``--attention-mask-type`` take a value (``--flag V`` or ``--flag=V``); MoE's ``--moe-alltoall-overlap-comm``
+    takes none (it means COC_MOE_OVERLAP=1); ``--use-cp-send-recv-overlap`` is accepted and dropped.
+    Everything after a bare ``--`` is left alone.
     """
     return take_flags(argv, CP_FLAGS, {CP_OVERLAP_FLAG: None})

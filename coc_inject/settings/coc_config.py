@@ -51,7 +51,12 @@ class CocConfigBehaviour:
     def armed(self) -> bool:
         """Does coc-inject patch anything: the linears (enabled), the attention (cp_algorithm,
         flash_attn) or the TransformerBlocks (multi_copy)?"""
-        return self.enabled or self.attention_armed or self.multi_copy_armed
+        return self.enabled or self.attention_armed or self.multi_copy_armed or self.moe_armed
+
+    @property
+    def moe_armed(self) -> bool:
+        """Do MoE layers' all-to-alls run as pieces (1, or auto)?"""
+        return self.moe_overlap != "0" and not self.disabled
 
     @property
     def multi_copy_armed(self) -> bool:

@@ -7,6 +7,7 @@ A table row names its kind; a new setting needs a new kind only when no kind her
 from __future__ import annotations
 
 from coc_inject.settings.parsers import (AUTO, BOOL_ALLOWED, CUSTOMIZED_ALLOWED, FALSE_WORDS, JSON_BOOL_ALLOWED,
+                                         TRUE_WORDS,
                                          PARALLEL_NUM_ALLOWED, SHAPE_COUNT_ALLOWED, SHAPE_KEY_ALLOWED,
                                          TUNE_CANDIDATES_ALLOWED, ConfigError, is_int, is_valid_chunk_count, parse_bool,
                                          parse_customized, parse_json_bool, parse_parallel_num, parse_tune_candidates,
@@ -24,6 +25,7 @@ class Kind:
 
     off_words: tuple = ()
     switch = False  # a MindSpeed flag of this kind takes no value
+    flag_value = True  # what such a flag, given, sets
 
     def __init__(self, allowed: str, parse=None):
         self.allowed = allowed
@@ -148,6 +150,18 @@ class Choice(Kind):
         if not self.accepts(value):
             raise ConfigError(where, value, self._checked_allowed)
         return value
+
+
+class OffOnAuto(Choice):
+    """0 (off), 1 (on) or auto, the switch words read as 0 / 1; a MindSpeed flag of it means 1."""
+
+    off_words = FALSE_WORDS
+    switch = True
+    flag_value = "1"
+
+    def __init__(self, allowed: str):
+        super().__init__(("0", "1", "auto"), allowed,
+                         {**{word: "0" for word in FALSE_WORDS}, **{word: "1" for word in TRUE_WORDS}})
 
 
 class ShapeCounts(Kind):

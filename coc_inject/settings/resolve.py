@@ -73,7 +73,7 @@ def _merge_flags(flags, rows, given, values, errors) -> None:
         value = flags.get(row.field)
         if not is_given(row, value):
             continue
-        value = True if row.kind.switch else value
+        value = row.kind.flag_value if row.kind.switch else value
         if not row.kind.accepts(value):
             errors.append(ConfigError(row.flag, value, row.env_allowed))
         elif given.get(row.field) is None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coc_inject.settings import parsers
-from coc_inject.settings.kinds import AtLeast, ChunkCandidates, ChunkCount, Choice, Kind, ShapeCounts, Switch
+from coc_inject.settings.kinds import AtLeast, ChunkCandidates, ChunkCount, Choice, Kind, OffOnAuto, ShapeCounts, Switch
 from coc_inject.settings.rules import ATTENTION, CONTEXT_PARALLELISM
 
 # ``agreed``: every rank must hold the same value (a mismatch would chunk collectives differently
@@ -88,6 +88,9 @@ ATTN_KERNEL_ALLOWED = ("auto, fused or reference (any case): auto = the device's
 
 MULTI_COPY_ALLOWED = ("1 (off), an integer n >= 2 (copies; they must divide the micro-batch) or auto (copies or not, "
                       "tried per block shape at run time)")
+
+MOE_OVERLAP_ALLOWED = ("0 (off), 1 (pieces) or auto (pieces or Megatron's dispatcher, tried per MoE layer shape at run "
+                       "time); also true/false, on/off, yes/no (any case)")
 
 SWITCH = Switch()
 POSITIVE_INT = AtLeast(1, parsers.POSITIVE_INT_ALLOWED)
@@ -185,6 +188,12 @@ SETTINGS = (
             "block's trials find fastest; a fixed count with COC_PARALLEL_NUM=auto: the trials decide whether the "
             "copies' linears chunk. Arms coc-inject on its own.",
             agreed=WHEN_SET, arms=UNLESS_OFF),
+    Setting("COC_MOE_OVERLAP", "moe_overlap", OffOnAuto(MOE_OVERLAP_ALLOWED), "0",
+            "MoE: the expert-parallel all-to-all of Megatron's alltoall token dispatcher cut into pieces (one per "
+            "local expert, an expert's rows cut further where a rank has fewer than 4) and pipelined against the "
+            "local experts' compute, forward and backward; results as Megatron's. auto: pieces or Megatron's "
+            "dispatcher, as the layer's trials find fastest. Arms coc-inject on its own.",
+            flag="--moe-alltoall-overlap-comm", agreed=WHEN_SET, arms=UNLESS_OFF),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by the config.
     Setting("COC_CACHE_DIR", None, None, None,
             "Where the bootstrap keeps the byte code of `coc_inject/__init__.py` and `bootstrap.py` when their "
