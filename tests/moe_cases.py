@@ -1,0 +1,187 @@
+"""Worker functions for tests/test_moe.py: a real megatron-core MoE layer, and a tiny GPT with MoE
+layers, on gloo ranks with expert parallelism, unpatched and with COC_MOE_OVERLAP.
+
+Every parameter starts from a seed of its GLOBAL name (an expert's by its global expert index), so
+every rank's local experts differ and a token sent to the wrong rank or expert changes the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from coc_inject import job
+from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
+from coc_inject.config import CocConfig
+from tests.dist_harness import reinitialize_model_parallel
+
+_state_key = None
+
+
+class _InertEvent:
+    def synchronize(self):
+        pass
+
+
+class _InertStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _InertEvent()
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+
+def cpu_shims() -> None:
+    """Test-only shims for Megatron's MoE code on CPU (each one what that code needs, nothing more)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # The alltoall dispatcher makes a side stream for its device-to-host copies at construction.
+    torch.cuda.Stream = _InertStream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
+    # Without the device-to-host copy (skipped on CPU) Megatron hands all_to_all_single its split
+    # sizes as tensors; gloo wants lists.
+    if not getattr(dist.all_to_all_single, "_splits_as_lists", False):
+        original = dist.all_to_all_single
+
+        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+            as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
+            return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
+
+        all_to_all_single._splits_as_lists = True
+        dist.all_to_all_single = all_to_all_single
+    # 0.16's router names Transformer Engine's GEMM, defined only when TE imports.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    del token_dispatcher
+
+
+def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None) -> None:
+    """Megatron's parallel state for TP x EP (expert TP ``etp``); the MoE wing installed for ``coc``."""
+    from megatron.core.transformer.moe import moe_layer
+
+    from coc_inject.moe import install
+
+    global _state_key
+    cpu_shims()
+    job.uninstall()
+    if coc is not None:
+        install.install(CocConfig(**coc), moe_layer)
+    key = (ep, tp, etp)
+    if key != _state_key:
+        reinitialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                    expert_tensor_parallel_size=etp)
+        _state_key = key
+
+
+def seed_parameters(module, local_experts: int) -> None:
+    """Each parameter from a seed of its global name: local expert j of EP rank r is expert r * L + j."""
+    from megatron.core import parallel_state
+
+    first = parallel_state.get_expert_model_parallel_rank() * local_experts
+    for name, param in module.named_parameters():
+        if ".local_experts." in name:
+            head, _, rest = name.partition(".local_experts.")
+            index, _, tail = rest.partition(".")
+            name = f"{head}.experts.{first + int(index)}.{tail}"
+        generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        with torch.no_grad():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+
+
+def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=2 * hidden,
+        num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
+        sequence_parallel=sp, moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=torch.float32,
+        moe_router_pre_softmax=topk == 1, **extra)  # Megatron asks for pre-softmax routing at top-1
+
+
+def build_layer(**kwargs):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = moe_config(**kwargs)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    layer = spec(config=config)
+    seed_parameters(layer, layer.num_local_experts)
+    return layer
+
+
+def layer_input(kind: str, tokens: int, hidden: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 + dist.get_rank())
+    x = torch.randn(tokens, 1, hidden, generator=generator)
+    return x.abs() if kind == "positive" or (kind == "positive on rank 0" and dist.get_rank() == 0) else x
+
+
+def _shun_expert(layer, expert: int) -> None:
+    """The router's weight row for ``expert`` all negative: a positive input never picks it."""
+    with torch.no_grad():
+        layer.router.weight[expert] = -layer.router.weight[expert].abs() - 1.0
+
+
+def _step(layer, x):
+    x = x.clone().requires_grad_()
+    out, _ = layer(x)
+    weights = torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape).sin()
+    (out * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in layer.named_parameters() if p.grad is not None}
+    for p in layer.parameters():
+        p.grad = None
+    return out.detach(), x.grad, grads
+
+
+class AllToAllRecorder:
+    """Every all_to_all_single on this rank in order: (group ranks, output splits, input splits)."""
+
+    def __enter__(self):
+        self.calls, self._original = [], dist.all_to_all_single
+        original = self._original
+
+        def record(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
+            as_list = lambda sizes: [int(s) for s in sizes] if sizes is not None else None  # noqa: E731
+            self.calls.append((tuple(dist.get_process_group_ranks(group)) if group is not None else "world",
+                               as_list(output_split_sizes), as_list(input_split_sizes)))
+            return original(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
+
+        record._splits_as_lists = True
+        dist.all_to_all_single = record
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._original
+
+
+def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="random", shun=None, **model):
+    """Megatron's MoE layer unpatched, then with ``coc``: output, input gradient and parameter
+    gradients (max abs differences), the route, and the patched run's all-to-alls."""
+    setup(ep, coc=None)
+    layer = build_layer(experts=experts, topk=topk, hidden=hidden, ep=ep, **model)
+    if shun is not None:
+        _shun_expert(layer, shun)
+    x = layer_input(kind, tokens, hidden)
+    with AllToAllRecorder() as unpatched:
+        want = _step(layer, x)
+    setup(ep, coc=coc or {"moe_overlap": "1"})
+    with AllToAllRecorder() as patched:
+        got = _step(layer, x)
+    counts = layer.token_dispatcher.num_global_tokens_per_local_expert if layer.num_local_experts > 1 else None
+    return {
+        "route": layer._coc_moe,
+        "out": (got[0] - want[0]).abs().max().item(), "out_scale": want[0].abs().max().item(),
+        "x_grad": (got[1] - want[1]).abs().max().item(),
+        "param_grad": max((got[2][n] - w).abs().max().item() for n, w in want[2].items()),
+        "param_grad_scale": max(w.abs().max().item() for w in want[2].values()),
+        "same_params": sorted(got[2]) == sorted(want[2]),
+        "received": torch.as_tensor(counts if counts is not None else layer.token_dispatcher.output_splits).tolist(),
+        "unpatched_calls": unpatched.calls, "calls": patched.calls,
+    }

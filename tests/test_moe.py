@@ -1,0 +1,69 @@
+"""COC_MOE_OVERLAP on Megatron's MoE layer (alltoall dispatcher, SequentialMLP experts), gloo ranks:
+output, input gradient and parameter gradients against the same layer unpatched; every all-to-all
+issued in the same order on every rank, each one's splits matching its peers'."""
+
+import pytest
+
+from tests.dist_harness import RankPool
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+def check_exact(results, chunks):
+    for rank, r in enumerate(results):
+        assert r["route"] == ("pieces", chunks), (rank, r["route"])
+        assert r["same_params"]
+        assert r["out"] == 0.0 and r["x_grad"] == 0.0, (rank, r["out"], r["x_grad"])  # the same rows, the same GEMMs
+        # one chunk per expert: the same GEMMs; row chunks: the weight gradient summed in pieces
+        limit = 0.0 if chunks == 1 else 1e-6 * max(1.0, r["param_grad_scale"])
+        assert r["param_grad"] <= limit, (rank, r["param_grad"], r["param_grad_scale"])
+
+
+def check_order(results, pieces):
+    """The same all-to-alls in the same order on every rank of a group; rank i sends rank j what j expects."""
+    calls = [r["calls"] for r in results]
+    assert len({len(c) for c in calls}) == 1
+    assert len(calls[0]) == 6 * pieces  # per piece: dispatch (tokens, probs) and combine; backward the same three
+    for index in range(len(calls[0])):
+        for rank, (group, _, _) in enumerate(c[index] for c in calls):
+            members = [calls[member][index] for member in group]
+            assert all(member[0] == group for member in members), (index, rank, members)
+            for i, (_, _, sent) in enumerate(members):
+                for j, (_, received, _) in enumerate(members):
+                    assert sent[j] == received[i], (index, i, j, sent, received)
+
+
+def run(pool, ranks=4, **case):
+    """``case`` on every rank of ``pool`` (the ranks beyond the EP group form more groups)."""
+    return pool.run("tests.moe_cases:layer_case", **case)
+
+
+@pytest.mark.parametrize("ep,experts,topk", [(2, 4, 2), (2, 2, 1), (4, 4, 2), (4, 16, 2), (2, 8, 1)],
+                         ids=["ep2-2local-top2", "ep2-1local-top1", "ep4-1local-top2", "ep4-4local-top2",
+                              "ep2-4local-top1"])
+def test_pieces_equal_megatron(pool, ep, experts, topk):
+    local = experts // ep
+    chunks = max(1, -(-4 // local))
+    results = run(pool, ep=ep, experts=experts, topk=topk)
+    check_exact(results, chunks)
+    check_order(results, local * chunks)
+
+
+def test_an_expert_no_rank_sends_to_and_one_only_one_rank_sends_to(pool):
+    nobody = run(pool, ep=2, experts=4, kind="positive", shun=1)
+    check_exact(nobody, 2)
+    assert all(r["received"][s][1] == 0 for r in nobody[:1] for s in range(2)), nobody[0]["received"]
+    one_rank = run(pool, ep=2, experts=4, kind="positive on rank 0", shun=1)
+    check_exact(one_rank, 2)
+    received = one_rank[0]["received"]  # rank 0 holds experts 0 and 1: rank 0 sends expert 1 nothing
+    assert received[0][1] == 0 and received[1][1] > 0, received
+
+
+def test_capacity_factor_drops_the_same_tokens(pool):
+    results = run(pool, ep=2, experts=4, moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
+    check_exact(results, 2)
