@@ -8,6 +8,7 @@ every rank's local experts differ and a token sent to the wrong rank or expert c
 from __future__ import annotations
 
 import contextlib
+import time
 import zlib
 
 import torch
@@ -185,3 +186,36 @@ def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="ra
         "received": torch.as_tensor(counts if counts is not None else layer.token_dispatcher.output_splits).tolist(),
         "unpatched_calls": unpatched.calls, "calls": patched.calls,
     }
+
+
+def slow_pieces_trials(seconds: float) -> None:
+    """On this rank, every trial of the pieces takes ``seconds`` longer (a real delay)."""
+    from coc_inject.moe import auto
+
+    choose = auto.choose
+
+    def slowed(tuner, key, group, tokens, probs, run_megatron, run_pieces):
+        def pieces(t, p, chunks):
+            time.sleep(seconds)
+            return run_pieces(t, p, chunks)
+
+        return choose(tuner, key, group, tokens, probs, run_megatron, pieces)
+
+    auto.choose = slowed
+
+
+def auto_case(slow_ranks=(), **case):
+    """layer_case with COC_MOE_OVERLAP=auto (``slow_ranks``: whose pieces trials are slowed), and the
+    decision the layer's tuner made."""
+    from coc_inject.moe import auto, install
+
+    choose = auto.choose
+    if dist.get_rank() in slow_ranks:
+        slow_pieces_trials(0.5)
+    try:
+        result = layer_case(coc={"moe_overlap": "auto"}, **case)
+    finally:
+        auto.choose = choose
+    decisions = job.current().decisions(install.MOE)
+    result["decisions"] = [(key.text(), d.choice, d.source) for key, d in decisions.items()]
+    return result

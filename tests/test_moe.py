@@ -4,6 +4,7 @@ issued in the same order on every rank, each one's splits matching its peers'.""
 
 import pytest
 
+from coc_inject.moe.install import AUTO_CHOSE_MEGATRON
 from tests.dist_harness import RankPool
 
 
@@ -67,3 +68,24 @@ def test_an_expert_no_rank_sends_to_and_one_only_one_rank_sends_to(pool):
 def test_capacity_factor_drops_the_same_tokens(pool):
     results = run(pool, ep=2, experts=4, moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
     check_exact(results, 2)
+
+
+def test_auto_decides_once_the_same_on_every_rank_of_a_group_and_stays_exact(pool):
+    results = pool.run("tests.moe_cases:auto_case", ep=2, experts=4)
+    for group in ((0, 1), (2, 3)):  # each EP group decides for itself
+        decisions = [results[rank]["decisions"] for rank in group]
+        assert len(decisions[0]) == 1 and decisions[0][0][2] == "trials" and decisions[1] == decisions[0]
+        choice = decisions[0][0][1]
+        assert choice in (0, 1, 2, 4)
+        if choice:
+            check_exact([results[rank] for rank in group], choice)
+        else:
+            assert all(results[rank]["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for rank in group)
+        assert all(results[rank]["out"] == 0.0 and results[rank]["x_grad"] == 0.0 for rank in group)
+
+
+def test_auto_gives_the_layer_back_to_megatron_when_one_ranks_pieces_are_slow(pool):
+    results = pool.run("tests.moe_cases:auto_case", slow_ranks=(1, 3), ep=2, experts=4)  # one rank of each group
+    assert all(r["decisions"][0][1] == 0 for r in results), [r["decisions"] for r in results]
+    assert all(r["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for r in results)
+    assert all(r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0 for r in results)

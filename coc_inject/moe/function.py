@@ -47,11 +47,21 @@ class PieceRun:
     expert: Callable  # (local expert, tokens, probs) -> output rows
     group: object  # the expert-parallel group
     needs_grad: bool
+    accumulate: bool = True  # False in auto's trials: the backward leaves parameter gradients alone
     saved: list = None  # per piece: (tokens leaf, probs leaf, output) for the backward
 
     def send(self, buffers, piece: Piece, receive_splits: list):
         """Start the all-to-alls of ``buffers`` (rows of the local permuted order) for ``piece``."""
         return [_all_to_all(_gather_rows(b, piece), piece.send_splits, receive_splits, self.group) for b in buffers]
+
+    def backward(self, output, grad_output, leaves) -> list:
+        """The gradients of ``leaves`` (zeros where none flows)."""
+        if self.accumulate:  # backward, not grad: the experts' parameter gradients accumulate as Megatron's
+            torch.autograd.backward(output, grad_output)
+            grads = [leaf.grad for leaf in leaves]
+        else:
+            grads = torch.autograd.grad(output, leaves, grad_output, allow_unused=True)
+        return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads)]
 
     @staticmethod
     def received(started) -> list:
@@ -102,9 +112,7 @@ class PipelinedExperts(torch.autograd.Function):
             if p + 1 < len(pieces):
                 inflight = run.send((grad_combined,), pieces[p + 1], list(pieces[p + 1].recv_splits))
             piece_tokens, piece_probs, output = saved[p]
-            # backward, not grad: the experts' parameter gradients accumulate as in Megatron's graph
-            torch.autograd.backward(output, grad_output)
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (piece_tokens, piece_probs)]
+            grads = run.backward(output, grad_output, (piece_tokens, piece_probs))
             returns.append([_all_to_all(g, list(piece.recv_splits), piece.send_splits, run.group) for g in grads])
         grad_tokens = grad_combined.new_empty(ctx.tokens_shape, dtype=ctx.tokens_dtype)
         grad_probs = grad_combined.new_empty(ctx.probs_shape, dtype=ctx.probs_dtype)

@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import torch
 
 from coc_inject import job, log
-from coc_inject.moe import guards, layout
+from coc_inject.moe import auto, guards, layout
 from coc_inject.moe.function import PieceRun, PipelinedExperts
 
 MIN_PIECES = 4  # COC_MOE_OVERLAP=1 cuts each local expert's rows into chunks up to this many pieces
+MOE = "moe"  # this wing's tuner (job.Installation.tuner)
+AUTO_CHOSE_MEGATRON = "auto: Megatron's dispatcher was faster for this shape"
+_DECIDING = -1  # a call of COC_MOE_OVERLAP=auto whose shape is decided in the experts' place
 
 
 def chunks_per_expert(local_experts: int) -> int:
@@ -37,9 +40,30 @@ def chunks_per_expert(local_experts: int) -> int:
 class _Call:
     """A layer call running as pieces: what the dispatcher's deferred stages hand the experts."""
 
-    chunks: int
+    chunks: int  # per local expert; auto.MEGATRON once auto decided Megatron's dispatcher
     dispatcher: object
+    key: object = None  # auto's MoEKey
     tokens_per_expert: object = None
+
+
+@dataclass(frozen=True)
+class _Megatron:
+    """Megatron's own stages, for auto's baseline and for a call auto gives back to Megatron."""
+
+    token_dispatch: object
+    dispatch_postprocess: object
+    experts_forward: object
+    combine_preprocess: object
+    token_combine: object
+
+    def middle(self, experts, call: _Call, tokens, probs):
+        """Dispatch, experts and combine as Megatron runs them."""
+        dispatcher = call.dispatcher
+        dispatcher.tokens_per_expert = call.tokens_per_expert  # as the deferred stages found it
+        tokens, probs = self.token_dispatch(dispatcher, tokens, probs)
+        tokens, tokens_per_expert, probs = self.dispatch_postprocess(dispatcher, tokens, probs)
+        output, _ = self.experts_forward(experts, tokens, tokens_per_expert, probs)
+        return self.token_combine(dispatcher, self.combine_preprocess(dispatcher, output))
 
 
 def install(config, moe_layer_module) -> None:
@@ -60,21 +84,23 @@ def on_moe_layer_imported(module) -> None:
 
 
 def banner(config) -> str:
-    pieces = "auto (pieces or not per layer shape)" if config.moe_overlap == "auto" else "pieces per local expert"
-    return f"MoE overlap installed on MoELayer: alltoall dispatch/combine in {pieces} (details: coc-inject status, COC_REPORT)"
+    pieces = "pieces or Megatron's per layer shape (auto)" if config.moe_overlap == "auto" else "pieces"
+    return f"MoE overlap installed on MoELayer: alltoall dispatch and combine in {pieces} (details: coc-inject status)"
 
 
 def _install(installation, moe_layer_module) -> None:
     from megatron.core.transformer.moe import experts, token_dispatcher
 
     patches = installation.patches
-    dispatcher = token_dispatcher.MoEAlltoAllTokenDispatcher
-    for name, deferred in (("token_dispatch", _deferred_dispatch), ("dispatch_postprocess", _deferred_postprocess),
-                           ("combine_preprocess", _passed_on), ("token_combine", _passed_on)):
+    dispatcher, mlp, layer = token_dispatcher.MoEAlltoAllTokenDispatcher, experts.SequentialMLP, moe_layer_module.MoELayer
+    stages = {"token_dispatch": _deferred_dispatch, "dispatch_postprocess": _deferred_postprocess,
+              "combine_preprocess": _passed_on, "token_combine": _passed_on}
+    megatron = _Megatron(**{name: patches.original(dispatcher, name) for name in stages},
+                         experts_forward=patches.original(mlp, "forward"))
+    for name, deferred in stages.items():
         patches.patch(dispatcher, name, _when_pieces(patches.original(dispatcher, name), deferred))
-    mlp = experts.SequentialMLP
-    patches.patch(mlp, "forward", _when_pieces(patches.original(mlp, "forward"), _pieces_forward))
-    layer = moe_layer_module.MoELayer
+    pieces_forward = functools.partial(_experts_forward, installation, megatron)
+    patches.patch(mlp, "forward", _when_pieces(megatron.experts_forward, pieces_forward))
     patches.patch(layer, "forward", _layer_forward(installation, patches.original(layer, "forward")))
 
 
@@ -121,9 +147,8 @@ def piece_layout(dispatcher, chunks: int) -> list:
     return layout.pieces(local_counts, global_counts, ep, local, chunks)
 
 
-def _pieces_forward(experts, call, tokens, tokens_per_expert, probs):
-    """SequentialMLP's forward as pieces: (combined rows in the dispatcher's permuted order, None)."""
-    dispatcher = call.dispatcher
+def _pieces(experts, call: _Call, tokens, probs, chunks: int, accumulate: bool = True):
+    """The combined rows, in the dispatcher's permuted order, of the pieces at ``chunks`` per expert."""
     apply_on_input = experts.config.moe_apply_probs_on_input
 
     def expert(index, rows, row_probs):
@@ -135,22 +160,44 @@ def _pieces_forward(experts, call, tokens, tokens_per_expert, probs):
 
     parameters = any(p.requires_grad for p in experts.parameters())
     needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or parameters)
-    run = PieceRun(piece_layout(dispatcher, call.chunks), expert, dispatcher.ep_group, needs_grad)
-    return PipelinedExperts.apply(tokens, probs, run), None
+    dispatcher = call.dispatcher
+    run = PieceRun(piece_layout(dispatcher, chunks), expert, dispatcher.ep_group, needs_grad, accumulate)
+    return PipelinedExperts.apply(tokens, probs, run)
+
+
+def _experts_forward(installation, megatron: _Megatron, experts, call: _Call, tokens, tokens_per_expert, probs):
+    """SequentialMLP's forward in a call whose dispatch was deferred: (combined rows, None)."""
+    if call.chunks == _DECIDING:
+        with auto.without_fused_accumulation(experts):
+            call.chunks = auto.choose(
+                installation.tuner(MOE), call.key, call.dispatcher.ep_group, tokens, probs,
+                lambda t, p: megatron.middle(experts, call, t, p),
+                lambda t, p, chunks: _pieces(experts, call, t, p, chunks, accumulate=False))
+    if call.chunks == auto.MEGATRON:
+        return megatron.middle(experts, call, tokens, probs), None
+    return _pieces(experts, call, tokens, probs, call.chunks), None
 
 
 def _layer_forward(installation, original):
-    setting = installation.config.moe_overlap
+    deciding = installation.config.moe_overlap == "auto"
 
     @functools.wraps(original)
-    def forward(self, *args, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
         reason = _layer_reason(self) or guards.call_reason(self)
         call = None
         if reason is None:
-            call = _Call(chunks_per_expert(self.token_dispatcher.num_local_experts), self.token_dispatcher)
+            dispatcher = self.token_dispatcher
+            call = _Call(chunks_per_expert(dispatcher.num_local_experts), dispatcher)
+            if deciding:
+                call.key = auto.key_of(self, hidden_states)
+                decided = installation.tuner(MOE).decisions.get(call.key)
+                call.chunks = _DECIDING if decided is None else decided.choice
+                if call.chunks == auto.MEGATRON:
+                    call, reason = None, AUTO_CHOSE_MEGATRON
         self.token_dispatcher._coc_moe_call = self.experts._coc_moe_call = call
+        output = original(self, hidden_states, *args, **kwargs)
         _count(installation, self, call, reason)
-        return original(self, *args, **kwargs)
+        return output
 
     return forward
 
@@ -166,6 +213,8 @@ _unset = object()
 
 
 def _count(installation, layer, call, reason) -> None:
+    if call is not None and call.chunks == auto.MEGATRON:  # auto decided at this call
+        call, reason = None, AUTO_CHOSE_MEGATRON
     layer._coc_moe = ("pieces", call.chunks) if call is not None else ("megatron", reason)
-    if reason is not None:
+    if reason is not None and reason != AUTO_CHOSE_MEGATRON:
         log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")

@@ -1,0 +1,89 @@
+"""``COC_MOE_OVERLAP=auto``: per MoE layer shape, pieces (and how many chunks per local expert) or
+Megatron's dispatcher, decided at the shape's first call and the same on every rank of the EP group.
+
+The tuner of every ``auto`` (coc_inject.tuning.online.Tuner.decide) runs the trials in the experts'
+place of that first call: Megatron's dispatch / experts / combine (the baseline) and the pieces at
+each chunk count, forward and backward on detached copies of the call's permuted rows, gradients
+taken with ``torch.autograd.grad`` so that no parameter gradient is touched; timings MAX-reduced
+over the EP group; pieces win only beyond the noise. Cached in ``COC_TUNE_CACHE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+MEGATRON = 0  # the baseline candidate: Megatron's dispatcher
+CHUNKS = (1, 2, 4)  # chunks per local expert tried beside it
+
+
+@dataclass(frozen=True)
+class MoEKey:
+    WARM_UPS: ClassVar[int] = 1
+
+    tokens: int  # this rank's tokens into the layer (before routing)
+    hidden: int
+    ffn: int
+    topk: int
+    experts: int
+    ep: int
+    dtype: str
+    device: str
+    backward: bool
+
+    def text(self) -> str:
+        return (f"MoE [{self.tokens}, {self.hidden}] ffn {self.ffn} top-{self.topk} of {self.experts} experts "
+                f"EP{self.ep} {self.dtype} {self.device}" + ("" if self.backward else " forward-only"))
+
+    def cache_fields(self) -> list:
+        return ["moe", self.tokens, self.hidden, self.ffn, self.topk, self.experts, self.ep, self.dtype,
+                self.device, self.backward]
+
+    def name(self, choice) -> str:
+        return "Megatron's dispatcher" if choice == MEGATRON else f"pieces, {choice} chunk(s) per expert"
+
+    @staticmethod
+    def candidate(choice) -> str:
+        return "Megatron" if choice == MEGATRON else f"{choice} chunk(s)"
+
+
+def key_of(layer, hidden_states: torch.Tensor) -> MoEKey:
+    config = layer.config
+    return MoEKey(hidden_states.numel() // hidden_states.shape[-1], hidden_states.shape[-1],
+                  config.moe_ffn_hidden_size or config.ffn_hidden_size, config.moe_router_topk,
+                  config.num_moe_experts, layer.token_dispatcher.ep_size,
+                  str(hidden_states.dtype).replace("torch.", ""), hidden_states.device.type,
+                  torch.is_grad_enabled())
+
+
+@contextlib.contextmanager
+def without_fused_accumulation(experts):
+    """gradient_accumulation_fusion off on the experts' linears: a trial's backward writes no main_grad."""
+    linears = [m for m in experts.modules() if hasattr(m, "gradient_accumulation_fusion")]
+    saved = [m.gradient_accumulation_fusion for m in linears]
+    for m in linears:
+        m.gradient_accumulation_fusion = False
+    try:
+        yield
+    finally:
+        for m, value in zip(linears, saved):
+            m.gradient_accumulation_fusion = value
+
+
+def choose(tuner, key: MoEKey, group, tokens, probs, run_megatron, run_pieces):
+    """The choice for ``key``: MEGATRON or a chunk count (trials at the key's first call).
+    ``run_megatron(tokens, probs)`` / ``run_pieces(tokens, probs, chunks)``: the layer's middle,
+    without accumulating parameter gradients."""
+    backward = key.backward
+
+    def trial(choice) -> None:
+        inputs = [t.detach().clone().requires_grad_(backward) for t in (tokens, probs)]
+        with torch.enable_grad() if backward else torch.no_grad():
+            out = run_megatron(*inputs) if choice == MEGATRON else run_pieces(*inputs, choice)
+            if backward:
+                torch.autograd.grad(out, inputs, torch.ones_like(out))
+
+    return tuner.decide(key, group, tokens.device, [MEGATRON, *CHUNKS], MEGATRON, trial, group_name="EP")
