@@ -99,13 +99,14 @@ def seed_parameters(module, local_experts: int) -> None:
 def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, **extra):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    settings = dict(
         num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=2 * hidden,
         num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=ep, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
         sequence_parallel=sp, moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=torch.float32,
-        moe_router_pre_softmax=topk == 1, **extra)  # Megatron asks for pre-softmax routing at top-1
+        moe_router_pre_softmax=topk == 1)  # Megatron asks for pre-softmax routing at top-1
+    return TransformerConfig(**{**settings, **extra})
 
 
 def build_layer(**kwargs):
@@ -219,3 +220,73 @@ def auto_case(slow_ranks=(), **case):
     decisions = job.current().decisions(install.MOE)
     result["decisions"] = [(key.text(), d.choice, d.source) for key, d in decisions.items()]
     return result
+
+
+def build_gpt(*, layers=2, hidden=32, experts=4, topk=2, seq=16, vocab=64, tp=1, etp=1, ep=2, sp=False, **extra):
+    """A tiny GPT whose MLPs are MoE layers (Megatron's local spec: SequentialMLP experts)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    config = moe_config(experts=experts, topk=topk, hidden=hidden, ep=ep, tp=tp, etp=etp, sp=sp,
+                        **{"num_layers": layers, "hidden_dropout": 0.0, "attention_dropout": 0.0,
+                           "bias_dropout_fusion": False, "masked_softmax_fusion": False,
+                           "persist_layer_norm": False, "cross_entropy_loss_fusion": False, **extra})
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
+    block = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=CpuLayerNorm)
+    model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
+                     position_embedding_type="learned_absolute")
+    seed_parameters(model, experts // ep)
+    return model
+
+
+def _sync_gradients(model) -> None:
+    """What Megatron's DDP does: expert gradients summed over the expert-data-parallel group, the
+    others over the data-parallel group (and the replicated sequence-parallel ones over TP)."""
+    from megatron.core import parallel_state
+
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        expert = ".local_experts." in name
+        group = (parallel_state.get_expert_data_parallel_group() if expert
+                 else parallel_state.get_data_parallel_group())
+        dist.all_reduce(param.grad, group=group)
+        if getattr(param, "sequence_parallel", False):
+            dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
+
+
+def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, **model):
+    """Losses and parameters after ``steps`` SGD steps of the MoE GPT; the MoE layers' last routes."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    setup(ep, tp=tp, etp=etp, coc=coc)
+    _cpu_rng_for_recompute()
+    torch.manual_seed(7)
+    gpt = build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, etp=etp, **model)
+    optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        generator = torch.Generator().manual_seed(100 * step + dist.get_rank() // tp)  # a batch per data rank
+        tokens = torch.randint(vocab, (b, seq + 1), generator=generator)
+        positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
+        causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+        optimizer.zero_grad(set_to_none=True)
+        loss = gpt(tokens[:, :-1], positions, causal, labels=tokens[:, 1:]).sum() / (b * seq)
+        loss.backward()
+        _sync_gradients(gpt)
+        optimizer.step()
+        losses.append(loss.item())
+    routes = [m._coc_moe for m in gpt.modules() if isinstance(m, MoELayer) and hasattr(m, "_coc_moe")]
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in gpt.named_parameters()}, "routes": routes}
+
+
+def _cpu_rng_for_recompute() -> None:
+    """Test-only shim: Megatron's recompute saves and restores the "cuda" RNG state; on CPU that is torch's."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)

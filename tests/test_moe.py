@@ -89,3 +89,36 @@ def test_auto_gives_the_layer_back_to_megatron_when_one_ranks_pieces_are_slow(po
     assert all(r["decisions"][0][1] == 0 for r in results), [r["decisions"] for r in results]
     assert all(r["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for r in results)
     assert all(r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0 for r in results)
+
+
+_references: dict = {}
+
+
+def assert_same_training(got, want, tolerance=1e-6):
+    for rank, (g, w) in enumerate(zip(got, want)):
+        for step, (a, b) in enumerate(zip(g["losses"], w["losses"])):
+            assert abs(a - b) <= tolerance * abs(b), f"rank {rank} step {step}: loss {a} vs {b}"
+        for name, value in w["params"].items():
+            diff = (g["params"][name] - value).abs().max().item()
+            assert diff <= tolerance * max(1.0, value.abs().max().item()), f"rank {rank} {name}: max diff {diff}"
+
+
+def train(pool, coc, **model):
+    key = repr(sorted(model.items()))
+    if key not in _references:
+        _references[key] = pool.run("tests.moe_cases:train_gpt", coc=None, **model)
+    got = pool.run("tests.moe_cases:train_gpt", coc=coc, **model)
+    assert_same_training(got, _references[key])
+    return got
+
+
+@pytest.mark.parametrize("model", [
+    {"ep": 2}, {"ep": 4, "experts": 8}, {"ep": 2, "tp": 2, "etp": 1, "sp": True},
+    {"ep": 2, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
+    {"ep": 2, "moe_shared_expert_intermediate_size": 32},
+    {"ep": 2, "moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"},
+], ids=["ep2", "ep4", "ep2-tp2-sp", "recompute", "shared-expert", "aux-loss"])
+def test_gpt_trains_as_megatron(pool, model):
+    got = train(pool, {"moe_overlap": "1"}, **model)
+    assert all(route == ("pieces", 2 if model.get("experts", 4) // model["ep"] == 2 else 4)
+               for r in got for route in r["routes"]), got[0]["routes"]
