@@ -176,7 +176,9 @@ def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="ra
     setup(ep, coc=coc or {"moe_overlap": "1"})
     with AllToAllRecorder() as patched:
         got = _step(layer, x)
-    counts = layer.token_dispatcher.num_global_tokens_per_local_expert if layer.num_local_experts > 1 else None
+    dispatcher = layer.token_dispatcher
+    counts = getattr(dispatcher, "num_global_tokens_per_local_expert" if layer.num_local_experts > 1 else "output_splits",
+                     None)
     return {
         "route": layer._coc_moe,
         "out": (got[0] - want[0]).abs().max().item(), "out_scale": want[0].abs().max().item(),
@@ -184,7 +186,7 @@ def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="ra
         "param_grad": max((got[2][n] - w).abs().max().item() for n, w in want[2].items()),
         "param_grad_scale": max(w.abs().max().item() for w in want[2].values()),
         "same_params": sorted(got[2]) == sorted(want[2]),
-        "received": torch.as_tensor(counts if counts is not None else layer.token_dispatcher.output_splits).tolist(),
+        "received": None if counts is None else torch.as_tensor(counts).tolist(),
         "unpatched_calls": unpatched.calls, "calls": patched.calls,
     }
 
@@ -290,3 +292,36 @@ def _cpu_rng_for_recompute() -> None:
 
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+def refusal_reasons() -> dict:
+    """guards.layer_reason for layers the pieces do not run, each built for real where it can be
+    here; Transformer Engine's grouped experts and the flex dispatcher (DeepEP) cannot be built
+    without their libraries: a real layer with an object of that class name in their place."""
+    import copy
+
+    from coc_inject.moe import guards
+
+    def named(name):
+        return type(name, (torch.nn.Module,), {})()
+
+    reasons = {}
+    setup(2, etp=2)
+    reasons["expert TP 2"] = guards.layer_reason(build_layer(etp=2))
+    setup(1)
+    reasons["EP 1"] = guards.layer_reason(build_layer(ep=1))
+    setup(2)
+    reasons["allgather"] = guards.layer_reason(build_layer(moe_token_dispatcher_type="allgather"))
+    for attribute in ("moe_permute_fusion", "overlap_moe_expert_parallel_comm", "moe_shared_expert_overlap",
+                      "moe_pad_expert_input_to_capacity", "fp8", "delay_wgrad_compute"):
+        layer = build_layer()
+        layer.config = copy.copy(layer.config)
+        setattr(layer.config, attribute, "e4m3" if attribute == "fp8" else True)
+        reasons[attribute] = guards.layer_reason(layer)
+    layer = build_layer()
+    layer.experts = named("TEGroupedMLP")
+    reasons["TEGroupedMLP"] = guards.layer_reason(layer)
+    layer.token_dispatcher = named("MoEFlexTokenDispatcher")
+    reasons["flex"] = guards.layer_reason(layer)
+    reasons["alltoall + SequentialMLP"] = guards.layer_reason(build_layer())
+    return reasons

@@ -122,3 +122,25 @@ def test_gpt_trains_as_megatron(pool, model):
     got = train(pool, {"moe_overlap": "1"}, **model)
     assert all(route == ("pieces", 2 if model.get("experts", 4) // model["ep"] == 2 else 4)
                for r in got for route in r["routes"]), got[0]["routes"]
+
+
+def test_what_the_pieces_do_not_run_goes_to_megatron_with_its_reason(pool):
+    reasons = pool.run("tests.moe_cases:refusal_reasons")[0]
+    assert reasons.pop("alltoall + SequentialMLP") is None
+    expected = {
+        "expert TP 2": "expert tensor parallelism", "EP 1": "expert parallelism 1", "allgather": "allgather dispatcher",
+        "moe_permute_fusion": "moe_permute_fusion", "overlap_moe_expert_parallel_comm": "coc-inject steps aside",
+        "moe_shared_expert_overlap": "moe_shared_expert_overlap", "moe_pad_expert_input_to_capacity": "capacity",
+        "fp8": "FP8", "delay_wgrad_compute": "delay_wgrad_compute", "TEGroupedMLP": "TEGroupedMLP experts",
+        "flex": "flex dispatcher (DeepEP",
+    }
+    assert sorted(reasons) == sorted(expected)
+    for case, words in expected.items():
+        assert words in reasons[case], (case, reasons[case])
+
+
+def test_a_refused_layer_runs_megatrons_dispatcher_and_says_why(pool):
+    results = run(pool, ep=2, experts=4, moe_token_dispatcher_type="allgather")
+    for r in results:
+        assert r["route"][0] == "megatron" and "allgather dispatcher" in r["route"][1]
+        assert r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0
