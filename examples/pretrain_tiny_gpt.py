@@ -121,6 +121,12 @@ def parse_args():
     parser.add_argument("--num-query-groups", type=int, default=None)
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                         help="turn sequence parallelism off (it is on by default)")
+    parser.add_argument("--num-experts", type=int, default=None,
+                        help="MoE: every MLP is a mixture of this many experts (alltoall dispatcher)")
+    parser.add_argument("--expert-model-parallel-size", type=int, default=1)
+    parser.add_argument("--moe-router-topk", type=int, default=2)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                        help="default: the world size / the context-parallel size; the rest is data parallel")
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes losses and step times here")
     return parser.parse_args()
 
@@ -149,8 +155,9 @@ def build_model(args, tp_size):
         # No dropout: deterministic runs.
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        **moe_settings(args),
     )
-    layer_spec = get_gpt_layer_local_spec()
+    layer_spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
     layer_spec.submodules.input_layernorm = CpuLayerNorm
     layer_spec.submodules.pre_mlp_layernorm = CpuLayerNorm
     block_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * args.num_layers,
@@ -165,14 +172,71 @@ def build_model(args, tp_size):
     )
 
 
-def synthetic_batch(args, step):
+def moe_settings(args) -> dict:
+    if not args.num_experts:
+        return {}
+    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                moe_token_dispatcher_type="alltoall", expert_model_parallel_size=args.expert_model_parallel_size,
+                moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
+                moe_router_pre_softmax=args.moe_router_topk == 1)
+
+
+def seed_experts(model, args):
+    """Each expert's weights from a seed of its global index: CPU initialisation draws the same
+    numbers on every rank, which would make every rank's local experts alike."""
+    if not args.num_experts:
+        return
+    local = args.num_experts // args.expert_model_parallel_size
+    first = parallel_state.get_expert_model_parallel_rank() * local
+    for name, param in model.named_parameters():
+        if ".local_experts." in name:
+            index = int(name.partition(".local_experts.")[2].partition(".")[0])
+            generator = torch.Generator().manual_seed(args.seed + 7919 * (first + index) + len(name))
+            with torch.no_grad():
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def cpu_moe_shims():
+    """CPU shim 5, for MoE: the alltoall dispatcher makes a CUDA side stream for its split counts'
+    device-to-host copies (an inert one here), and without that copy hands all_to_all_single its
+    split sizes as tensors, which gloo takes only as lists."""
+    import contextlib
+
+    class Event:
+        def synchronize(self):
+            pass
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record_event(self, *args, **kwargs):
+            return Event()
+
+        def wait_stream(self, *args, **kwargs):
+            pass
+
+    torch.cuda.Stream = Stream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    all_to_all_single = dist.all_to_all_single
+
+    def with_list_splits(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
+        return all_to_all_single(output, input, as_list(output_split_sizes), as_list(input_split_sizes),
+                                 *args, **kwargs)
+
+    dist.all_to_all_single = with_list_splits
+
+
+def synthetic_batch(args, step, data_rank=0):
     """Token sequences from a fixed random bigram table (90% follow it, 10% random tokens).
 
-    Seeded by (seed, step) only, so every rank draws the same batch; the table makes the data
-    learnable, so the loss falls below log(vocab).
+    Seeded by (seed, step, data-parallel rank), so every rank of a model replica draws the same
+    batch; the table makes the data learnable, so the loss falls below log(vocab).
     """
     table = torch.randperm(args.vocab_size, generator=torch.Generator().manual_seed(args.seed))
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step + 7_919 * data_rank)
     b, s = args.micro_batch_size, args.seq_length
     tokens = torch.empty(b, s + 1, dtype=torch.long)
     tokens[:, 0] = torch.randint(args.vocab_size, (b,), generator=gen)
@@ -206,11 +270,17 @@ def main():
     cp_size = args.context_parallel_size
     if world_size % cp_size:
         raise SystemExit(f"--context-parallel-size {cp_size} must divide the world size {world_size}")
-    tp_size = world_size // cp_size
+    tp_size = args.tensor_model_parallel_size or world_size // cp_size
+    if world_size % (tp_size * cp_size):
+        raise SystemExit(f"TP {tp_size} x CP {cp_size} must divide the world size {world_size}")
     if tp_size == 1:  # as Megatron-LM's arguments do: no sequence parallelism without tensor parallelism
         args.sequence_parallel = False
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, context_parallel_size=cp_size,
-                                             pipeline_model_parallel_size=1)
+                                             pipeline_model_parallel_size=1,
+                                             expert_model_parallel_size=args.expert_model_parallel_size)
+    if args.num_experts:
+        cpu_moe_shims()
+    dp_group, data_rank = parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     cp_group, cp_rank = parallel_state.get_context_parallel_group(), parallel_state.get_context_parallel_rank()
     if cp_size > 1:
@@ -232,6 +302,7 @@ def main():
     tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
     model = build_model(args, tp_size)
+    seed_experts(model, args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
     attention_memory = AttentionMemory(model)
@@ -245,7 +316,9 @@ def main():
 
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"tiny GPT: TP {tp_size}, CP {cp_size}, sequence parallel {args.sequence_parallel}, "
+        moe = (f", MoE {args.num_experts} experts top-{args.moe_router_topk} EP {args.expert_model_parallel_size}"
+               if args.num_experts else "")
+        print(f"tiny GPT{moe}: TP {tp_size}, CP {cp_size}, sequence parallel {args.sequence_parallel}, "
               f"{args.num_layers} layers, hidden {args.hidden_size}, seq {s}, micro batch "
               f"{args.micro_batch_size}, vocab {args.vocab_size}, {n_params} parameters per rank",
               flush=True)
@@ -253,7 +326,7 @@ def main():
     losses, step_times = [], []
     run_start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        tokens, labels, loss_mask = synthetic_batch(args, step)
+        tokens, labels, loss_mask = synthetic_batch(args, step, data_rank)
         tokens_in_batch = loss_mask.sum()
         tokens, labels, loss_mask, positions = (on_this_cp_rank(t, 1, cp_size, cp_rank)
                                                 for t in (tokens, labels, loss_mask, position_ids))
@@ -273,6 +346,14 @@ def main():
         for param in model.parameters():
             if param.grad is not None and cp_size > 1:
                 dist.all_reduce(param.grad, group=cp_group)
+        # Data parallelism (what Megatron's DDP does): the mean gradient over the model replicas; an
+        # expert's over the ranks that hold the same expert.
+        for name, param in model.named_parameters():
+            expert = ".local_experts." in name
+            group = parallel_state.get_expert_data_parallel_group() if expert else dp_group
+            if param.grad is not None and group.size() > 1:
+                dist.all_reduce(param.grad, group=group)
+                param.grad /= group.size()
         for param in sp_params:
             if param.grad is not None:
                 dist.all_reduce(param.grad, group=tp_group)
@@ -281,6 +362,9 @@ def main():
         loss = loss.detach()
         if cp_size > 1:
             dist.all_reduce(loss, group=cp_group)
+        if dp_group.size() > 1:  # the replicas' mean loss
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dp_group.size()
         losses.append(loss.item())
         if rank == 0:
             print(f"step {step:>2} | loss {losses[-1]:.9f} | step time "

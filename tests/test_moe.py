@@ -117,7 +117,8 @@ def train(pool, coc, **model):
     {"ep": 2, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
     {"ep": 2, "moe_shared_expert_intermediate_size": 32},
     {"ep": 2, "moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"},
-], ids=["ep2", "ep4", "ep2-tp2-sp", "recompute", "shared-expert", "aux-loss"])
+    {"ep": 2, "add_bias_linear": True},
+], ids=["ep2", "ep4", "ep2-tp2-sp", "recompute", "shared-expert", "aux-loss", "biases"])
 def test_gpt_trains_as_megatron(pool, model):
     got = train(pool, {"moe_overlap": "1"}, **model)
     assert all(route == ("pieces", 2 if model.get("experts", 4) // model["ep"] == 2 else 4)

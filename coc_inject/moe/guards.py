@@ -25,7 +25,6 @@ _CONFIG_GUARDS = (
     ("moe_latent_size", "latent MoE (moe_latent_size)"),
     ("enable_cuda_graph", "CUDA graphs (enable_cuda_graph)"),
     ("external_cuda_graph", "CUDA graphs (external_cuda_graph)"),
-    ("add_bias_linear", "expert biases (add_bias_linear): not yet checked against Megatron's experts"),
     ("moe_paged_stash", "moe_paged_stash"),
 )
 
