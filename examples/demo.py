@@ -23,9 +23,12 @@ repeats the three), against the same CP=1 run; else one line says why it is skip
 runs one thread: torchrun sets OMP_NUM_THREADS=1 only for 2+ processes per node, so the 1-rank
 CP=1 run gets it explicitly.
 
+Part 5: MoE (examples/demo_moe.py): a GPT whose MLPs are 4 experts, EP 2, off against
+``COC_MOE_OVERLAP=auto``, over the emulated link where it can be set up, else over loopback.
+
     python examples/demo.py [--steps 30] [--link-rate 1gbit] [--no-link] [--chunks N]
-                            [--part all|coc|cp] [--cp-steps 6] [--cp-rounds 1] [--cp-algo auto]
-                            [--cp-link-algos ring,allgather,auto] [--cp-tp2]
+                            [--part all|coc|cp|copies|moe] [--cp-steps 6] [--cp-rounds 1] [--cp-algo auto]
+                            [--cp-link-algos ring,allgather,auto] [--cp-tp2] [--moe-rounds 1]
 
 ``--chunks N`` compares a fixed chunk count instead of auto; ``--cp-tp2`` adds a TP2xCP2 run on
 4 ranks to part 3.
@@ -38,29 +41,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from launch import ROOT, SITE, clean_env, torchrun
+from demo_moe import moe_part
+from demo_runs import LOSS_BOUND, first_steady, loss_line, run, steady, steady_times, variant_runs
+from launch import ROOT, SITE, clean_env
 
 sys.path.insert(0, str(ROOT))
-SCRIPT = ROOT / "examples" / "pretrain_tiny_gpt.py"
-LOSS_BOUND = 1e-5
 # Model for the link part: per-call compute and communication of the same order at 1 gbit on one core.
 LINK_MODEL = ["--seq-length", "256", "--micro-batch-size", "16", "--hidden-size", "512",
               "--ffn-hidden-size", "512", "--num-attention-heads", "8"]
 LINK_STEPS = 10
-
-
-def run(label, env, workdir, steps, link, extra_args, name=None, ranks=2):
-    print(f"== {label}", flush=True)
-    out = Path(workdir) / f"{name or label.split()[1].rstrip(':')}.json"
-    proc = torchrun(SCRIPT, ["--steps", str(steps), "--json", str(out), *extra_args], env, workdir, link,
-                    ranks=ranks)
-    if proc.returncode != 0:
-        print(proc.stderr[-5000:], file=sys.stderr)
-        raise SystemExit(f"demo: the {label} run failed (exit {proc.returncode})")
-    for line in proc.stderr.splitlines():
-        if line.startswith("[coc-inject rank 0"):
-            print("  ", line)
-    return json.loads(out.read_text())
 
 
 def coc_environment(chunks, workdir):
@@ -137,38 +126,6 @@ def cp_run(label, algorithm, workdir, steps, link=None, name=None, ranks=2):
 
 def mib(n_bytes) -> str:
     return f"{n_bytes / 2**20:.2f} MiB"
-
-
-WARM_UP_STEPS = 3  # step 1: first calls and auto's trials; steps 2-3: glibc's malloc still raising its thresholds
-
-
-def steady(result) -> float:
-    """Median step time after the warm-up steps."""
-    return statistics.median(steady_times(result))
-
-
-def steady_times(result) -> list:
-    """The step times after the warm-up. glibc returns large freed blocks to the kernel until its
-    dynamic mmap / trim thresholds have grown, so the first steps fault memory in again (most for
-    multi-copy's threads, each with its own arena); MALLOC_MMAP_THRESHOLD_ set removes it."""
-    times = result["step_times"]
-    return times[first_steady(len(times)) - 1:]
-
-
-def first_steady(steps: int) -> int:
-    """The first step ``steady`` counts: after the warm-up where at least 5 steps remain, else step 2."""
-    return WARM_UP_STEPS + 1 if steps >= WARM_UP_STEPS + 5 else 2
-
-
-def max_loss_diff(reference, result) -> float:
-    return max(abs(a - b) for a, b in zip(reference["losses"], result["losses"]))
-
-
-def loss_line(label, reference, results, against="CP=1") -> bool:
-    worst = max(max_loss_diff(reference, r) for r in results)
-    print(f"losses {label} vs {against} {'EQUAL' if worst <= LOSS_BOUND else 'DIFFERENT'} within {LOSS_BOUND:g} "
-          f"(max |diff| {worst:.2e})")
-    return worst <= LOSS_BOUND
 
 
 def print_algorithms(workdir, name, ranks) -> set:
@@ -321,9 +278,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-link", action="store_true", help="skip the emulated-link parts")
     parser.add_argument("--copies-rounds", type=int, default=3,
                         help="rounds of --part copies' interleaved runs over the link (default 3)")
-    parser.add_argument("--part", choices=("all", "coc", "cp", "copies"), default="all",
+    parser.add_argument("--part", choices=("all", "coc", "cp", "copies", "moe"), default="all",
                         help="coc: parts 1-2 (CoC on the linears, multi-copy); cp: parts 3-4 (context parallelism); "
-                             "copies: off, CoC auto and multi-copy over the link, interleaved (--copies-rounds)")
+                             "copies: off, CoC auto and multi-copy over the link, interleaved (--copies-rounds); "
+                             "moe: part 5 (MoE, expert parallelism; --moe-rounds)")
+    parser.add_argument("--moe-rounds", type=int, default=1, help="rounds of part 5's interleaved runs (default 1)")
     parser.add_argument("--cp-steps", type=int, default=CP_STEPS, help=f"steps of the CP runs (default {CP_STEPS})")
     parser.add_argument("--cp-algo", default="auto", help="COC_CP_ALGO of part 3's CP=2 runs (default auto)")
     parser.add_argument("--cp-link-algos", default="ring,allgather,auto",
@@ -356,7 +315,25 @@ def main(argv=None) -> int:
             print("\nPart 4 skipped: --no-link")
         else:
             ok &= cp_link(cp1, args.link_rate, args.cp_steps, args.cp_link_algos.split(","), args.cp_rounds)
+    if args.part in ("all", "moe"):
+        ok &= moe_parts(args)
     return 0 if ok else 1
+
+
+def moe_parts(args) -> bool:
+    """Part 5 over the emulated link where it can be set up, else over loopback (saying why)."""
+    from coc_inject.bench.link import EmulatedLink, LinkError
+
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            if args.no_link:
+                raise LinkError("--no-link")
+            EmulatedLink.check_available()
+        except LinkError as error:
+            print(f"\nPart 5 runs over loopback: the emulated link is not available ({error})")
+            return moe_part(workdir, None, None, args.moe_rounds)
+        with EmulatedLink(args.link_rate) as link:
+            return moe_part(workdir, link, args.link_rate, args.moe_rounds)
 
 
 def coc_parts(args) -> bool:
@@ -400,31 +377,9 @@ LOOPBACK_AUTO_TARGET = 0.97  # COC_MULTI_COPY=auto on loopback: never slower tha
 
 
 def copies_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets) -> bool:
-    """Runs ``variants`` ({name: environment}) ``rounds`` times, interleaved, beside the ``given`` results
-    ({name: [results]}, "off" among them); prints median step times against off and the targets."""
-    print(f"\n### {title}", flush=True)
-    results = {**given, **{name: [] for name in variants}}
-    for round_ in range(rounds):
-        for index, (name, extra) in enumerate(variants.items()):
-            tag = f"copies-{index}-{round_}"
-            env = clean_env() if not extra else clean_env(
-                PYTHONPATH=str(SITE), COC_TUNE_CACHE=str(Path(workdir) / f"tune-{tag}.json"),
-                COC_REPORT=str(Path(workdir) / f"report-{tag}-{{rank}}.json"), **extra)
-            results[name].append(run(f"{name}: same command" + (" over the link" if link else ""), env, workdir,
-                                     steps, link, script_args, name=tag))
-            if "COC_MULTI_COPY" in extra:
-                print_copies(Path(workdir) / f"report-{tag}-0.json")
-    medians = {name: statistics.median(steady(r) for r in runs) for name, runs in results.items()}
-    print(f"\n{'variant':<42} {'median step ms':>14} {'vs off':>7}")
-    ok = True
-    for name, median in medians.items():
-        target = targets.get(name)
-        print(f"{name:<42} {1e3 * median:14.1f} {medians['off'] / median:6.3f}x"
-              + (f"  (target >= {target}x: {'met' if medians['off'] / median >= target else 'missed'})"
-                 if target else ""))
-    for name in variants:
-        if name != "off":
-            ok &= loss_line(name, results["off"][0], results[name], against="off")
+    """variant_runs of multi-copy's variants, each run's blocks shown, and both autos against CoC's alone."""
+    ok, medians = variant_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets,
+                               show=print_copies)
     auto = next((name for name in medians if name.startswith("COC_PARALLEL_NUM=")), None)
     if auto and BOTH_AUTO in medians:
         ratio = medians[auto] / medians[BOTH_AUTO]
@@ -432,8 +387,10 @@ def copies_runs(title, workdir, link, steps, script_args, rounds, variants, give
     return ok
 
 
-def print_copies(report_path) -> None:
+def print_copies(report_path, extra) -> None:
     """What the blocks did (COC_REPORT of rank 0): copies per block, or why not, and auto's decisions."""
+    if "COC_MULTI_COPY" not in extra:
+        return
     report = json.loads(report_path.read_text())
     for layer in report["layers"]:
         if layer["route"] == "multi-copy":

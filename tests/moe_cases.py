@@ -111,10 +111,11 @@ def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, **e
 
 def build_layer(**kwargs):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
 
     config = moe_config(**kwargs)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
-    layer = spec(config=config)
+    layer = spec(config=config) if callable(spec) else build_module(spec, config=config)  # 0.13-0.15: a ModuleSpec
     seed_parameters(layer, layer.num_local_experts)
     return layer
 

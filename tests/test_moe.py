@@ -6,6 +6,7 @@ import pytest
 
 from coc_inject.moe.install import AUTO_CHOSE_MEGATRON
 from tests.dist_harness import RankPool
+from tests.scope import newest_only
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ def train(pool, coc, **model):
     {"ep": 2, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
     {"ep": 2, "moe_shared_expert_intermediate_size": 32},
     {"ep": 2, "moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"},
-    {"ep": 2, "add_bias_linear": True},
+    pytest.param({"ep": 2, "add_bias_linear": True}, marks=newest_only),  # 0.13: "Bias is not supported for MoE"
 ], ids=["ep2", "ep4", "ep2-tp2-sp", "recompute", "shared-expert", "aux-loss", "biases"])
 def test_gpt_trains_as_megatron(pool, model):
     got = train(pool, {"moe_overlap": "1"}, **model)
