@@ -57,10 +57,39 @@ def cpu_shims() -> None:
 
         all_to_all_single._splits_as_lists = True
         dist.all_to_all_single = all_to_all_single
+    # With expert tensor parallelism Megatron gathers and reduce-scatters uneven row counts with the list
+    # forms, which gloo refuses ("invalid tensor size"); padded to the largest, they are the same sums.
+    if not getattr(dist.all_gather, "_uneven", False):
+        dist.all_gather, dist.reduce_scatter = _uneven_all_gather, _uneven_reduce_scatter
     # 0.16's router names Transformer Engine's GEMM, defined only when TE imports.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     del token_dispatcher
+
+
+def _uneven_all_gather(outputs, tensor, group=None, async_op=False):
+    width = max(out.shape[0] for out in outputs)
+    padded = tensor.new_zeros((width,) + tuple(tensor.shape[1:]))
+    padded[:tensor.shape[0]] = tensor
+    gathered = tensor.new_empty((width * len(outputs),) + tuple(tensor.shape[1:]))
+    dist.all_gather_into_tensor(gathered, padded, group=group)
+    for rank, out in enumerate(outputs):
+        out.copy_(gathered[rank * width:rank * width + out.shape[0]])
+    assert not async_op
+
+
+def _uneven_reduce_scatter(output, inputs, group=None, async_op=False, **kwargs):
+    width = max(t.shape[0] for t in inputs)
+    padded = inputs[0].new_zeros((width * len(inputs),) + tuple(inputs[0].shape[1:]))
+    for rank, t in enumerate(inputs):
+        padded[rank * width:rank * width + t.shape[0]] = t
+    out = output.new_empty((width,) + tuple(output.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    output.copy_(out[:output.shape[0]])
+    assert not async_op
+
+
+_uneven_all_gather._uneven = True
 
 
 def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None) -> None:
@@ -164,17 +193,17 @@ class AllToAllRecorder:
         dist.all_to_all_single = self._original
 
 
-def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="random", shun=None, **model):
+def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="random", shun=None, etp=1, **model):
     """Megatron's MoE layer unpatched, then with ``coc``: output, input gradient and parameter
     gradients (max abs differences), the route, and the patched run's all-to-alls."""
-    setup(ep, coc=None)
-    layer = build_layer(experts=experts, topk=topk, hidden=hidden, ep=ep, **model)
+    setup(ep, etp=etp, coc=None)
+    layer = build_layer(experts=experts, topk=topk, hidden=hidden, ep=ep, etp=etp, **model)
     if shun is not None:
         _shun_expert(layer, shun)
     x = layer_input(kind, tokens, hidden)
     with AllToAllRecorder() as unpatched:
         want = _step(layer, x)
-    setup(ep, coc=coc or {"moe_overlap": "1"})
+    setup(ep, etp=etp, coc=coc or {"moe_overlap": "1"})
     with AllToAllRecorder() as patched:
         got = _step(layer, x)
     dispatcher = layer.token_dispatcher
@@ -307,8 +336,6 @@ def refusal_reasons() -> dict:
         return type(name, (torch.nn.Module,), {})()
 
     reasons = {}
-    setup(2, etp=2)
-    reasons["expert TP 2"] = guards.layer_reason(build_layer(etp=2))
     setup(1)
     reasons["EP 1"] = guards.layer_reason(build_layer(ep=1))
     setup(2)

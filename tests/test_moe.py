@@ -114,12 +114,12 @@ def train(pool, coc, **model):
 
 
 @pytest.mark.parametrize("model", [
-    {"ep": 2}, {"ep": 4, "experts": 8}, {"ep": 2, "tp": 2, "etp": 1, "sp": True},
+    {"ep": 2}, {"ep": 4, "experts": 8}, {"ep": 2, "tp": 2, "etp": 1, "sp": True}, {"ep": 2, "tp": 2, "etp": 2, "sp": True},
     {"ep": 2, "recompute_granularity": "selective", "recompute_modules": ["moe"]},
     {"ep": 2, "moe_shared_expert_intermediate_size": 32},
     {"ep": 2, "moe_aux_loss_coeff": 0.01, "moe_router_load_balancing_type": "aux_loss"},
     pytest.param({"ep": 2, "add_bias_linear": True}, marks=newest_only),  # 0.13: "Bias is not supported for MoE"
-], ids=["ep2", "ep4", "ep2-tp2-sp", "recompute", "shared-expert", "aux-loss", "biases"])
+], ids=["ep2", "ep4", "ep2-tp2-sp", "ep2-etp2-sp", "recompute", "shared-expert", "aux-loss", "biases"])
 def test_gpt_trains_as_megatron(pool, model):
     got = train(pool, {"moe_overlap": "1"}, **model)
     assert all(route == ("pieces", 2 if model.get("experts", 4) // model["ep"] == 2 else 4)
@@ -130,7 +130,7 @@ def test_what_the_pieces_do_not_run_goes_to_megatron_with_its_reason(pool):
     reasons = pool.run("tests.moe_cases:refusal_reasons")[0]
     assert reasons.pop("alltoall + SequentialMLP") is None
     expected = {
-        "expert TP 2": "expert tensor parallelism", "EP 1": "expert parallelism 1", "allgather": "allgather dispatcher",
+        "EP 1": "expert parallelism 1", "allgather": "allgather dispatcher",
         "moe_permute_fusion": "moe_permute_fusion", "overlap_moe_expert_parallel_comm": "coc-inject steps aside",
         "moe_shared_expert_overlap": "moe_shared_expert_overlap", "moe_pad_expert_input_to_capacity": "capacity",
         "fp8": "FP8", "delay_wgrad_compute": "delay_wgrad_compute", "TEGroupedMLP": "TEGroupedMLP experts",
@@ -146,3 +146,12 @@ def test_a_refused_layer_runs_megatrons_dispatcher_and_says_why(pool):
     for r in results:
         assert r["route"][0] == "megatron" and "allgather dispatcher" in r["route"][1]
         assert r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0
+
+
+@pytest.mark.parametrize("experts", [4, 2], ids=["2local", "1local"])
+def test_expert_tensor_parallelism(pool, experts):
+    """EP 2 x expert TP 2: each piece's all-to-all, then the all-gather over the expert-TP group; the
+    combine's reduce-scatter, then its all-to-all."""
+    results = run(pool, ep=2, etp=2, experts=experts)
+    local = experts // 2
+    check_exact(results, -(-4 // local))

@@ -1,13 +1,17 @@
 """The pieces' schedule: one autograd Function around the dispatch all-to-all, the local experts and
-the combine all-to-all of one MoE layer.
+the combine all-to-all of one MoE layer (with expert tensor parallelism, the all-gather after the
+dispatch and the reduce-scatter before the combine: each piece's movements are a transfers.Chain).
 
 Forward, for pieces 0..P-1 (program order, the same on every rank):
-    dispatch(0); for p: wait dispatch(p); dispatch(p+1); expert(p); combine(p)
+    start dispatch(0)
+    for p: finish dispatch(p); start dispatch(p+1); expert(p); advance dispatch(p+1);
+           start combine(p); advance combine(p-1)
+    finish every combine
 so piece p+1's dispatch and piece p's combine are in flight while piece p's expert computes.
-Backward mirrors it in one node: the combine's backward all-to-all of piece p+1 is in flight while
-piece p's expert runs its backward, and piece p's dispatch backward is in flight after it. All
-collectives of a layer live in this one node, so autograd cannot order them differently on two
-ranks. A piece with no rows on some rank still takes part in every collective.
+Backward mirrors it in the same node: the combine's backward movements of piece p+1 are in flight
+while piece p's expert runs its backward, then piece p's dispatch backward. Every collective of a
+layer is issued by this one node, so autograd cannot order them differently on two ranks. A piece
+with no rows on some rank still takes part in every collective.
 """
 
 from __future__ import annotations
@@ -16,16 +20,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from coc_inject.moe.layout import Piece
-
-
-def _all_to_all(tensor: torch.Tensor, send: list, receive: list, group):
-    """Start one all-to-all-v: (the output buffer, its work)."""
-    out = tensor.new_empty((sum(receive),) + tuple(tensor.shape[1:]))
-    work = dist.all_to_all_single(out, tensor.contiguous(), receive, send, group=group, async_op=True)
-    return out, work
+from coc_inject.moe.transfers import AllGatherRows, AllToAll, Chain, ReduceScatterRows
 
 
 def _gather_rows(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -45,14 +42,22 @@ class PieceRun:
 
     pieces: list  # layout.Piece, in schedule order
     expert: Callable  # (local expert, tokens, probs) -> output rows
-    group: object  # the expert-parallel group
+    ep_group: object
+    tp_group: object  # the expert tensor-parallel group; None without expert TP
+    combine_dtype: torch.dtype  # Megatron reduce-scatters the experts' output in the probs' dtype
     needs_grad: bool
     accumulate: bool = True  # False in auto's trials: the backward leaves parameter gradients alone
     saved: list = None  # per piece: (tokens leaf, probs leaf, output) for the backward
 
-    def send(self, buffers, piece: Piece, receive_splits: list):
-        """Start the all-to-alls of ``buffers`` (rows of the local permuted order) for ``piece``."""
-        return [_all_to_all(_gather_rows(b, piece), piece.send_splits, receive_splits, self.group) for b in buffers]
+    def to_experts(self, piece: Piece, via=None) -> list:
+        """Local rows to the expert's ranks: the dispatch (and the combine's backward)."""
+        moves = [AllToAll(piece.send_splits, list(piece.recv_splits), self.ep_group)]
+        return moves + ([AllGatherRows(list(piece.tp_sizes), self.tp_group, via)] if self.tp_group else [])
+
+    def from_experts(self, piece: Piece, via=None) -> list:
+        """Expert rows back to where they came from: the combine (and the dispatch's backward)."""
+        moves = [ReduceScatterRows(list(piece.tp_sizes), self.tp_group, via)] if self.tp_group else []
+        return moves + [AllToAll(list(piece.recv_splits), piece.send_splits, self.ep_group)]
 
     def backward(self, output, grad_output, leaves) -> list:
         """The gradients of ``leaves`` (zeros where none flows)."""
@@ -63,12 +68,6 @@ class PieceRun:
             grads = torch.autograd.grad(output, leaves, grad_output, allow_unused=True)
         return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads)]
 
-    @staticmethod
-    def received(started) -> list:
-        for _, work in started:
-            work.wait()
-        return [out for out, _ in started]
-
 
 class PipelinedExperts(torch.autograd.Function):
     """tokens, probs (the dispatcher's permuted local rows) -> the combined expert outputs in the same order."""
@@ -77,23 +76,31 @@ class PipelinedExperts(torch.autograd.Function):
     def forward(ctx, tokens, probs, run: PieceRun):
         pieces = run.pieces
         run.saved = []
-        combines = []
-        inflight = run.send((tokens, probs), pieces[0], list(pieces[0].recv_splits))
+
+        def dispatch(p):
+            return Chain(run.to_experts(pieces[p]), [_gather_rows(tokens, pieces[p]), _gather_rows(probs, pieces[p])])
+
+        inflight, combines = dispatch(0), []
         for p, piece in enumerate(pieces):
-            piece_tokens, piece_probs = run.received(inflight)
+            piece_tokens, piece_probs = inflight.finish()
             if p + 1 < len(pieces):
-                inflight = run.send((tokens, probs), pieces[p + 1], list(pieces[p + 1].recv_splits))
+                inflight = dispatch(p + 1)
             with torch.enable_grad() if run.needs_grad else torch.no_grad():
                 if run.needs_grad:  # leaves of the piece's own graph; the backward reads their .grad
-                    piece_tokens = piece_tokens.requires_grad_()
-                    piece_probs = piece_probs.requires_grad_()
+                    piece_tokens.requires_grad_()
+                    piece_probs.requires_grad_()
                 output = run.expert(piece.expert, piece_tokens, piece_probs)
             if run.needs_grad:
                 run.saved.append((piece_tokens, piece_probs, output))
-            combines.append(_all_to_all(output.detach(), list(piece.recv_splits), piece.send_splits, run.group))
-        combined = tokens.new_empty((tokens.shape[0], combines[0][0].shape[-1]), dtype=combines[0][0].dtype)
-        for piece, rows in zip(pieces, run.received(combines)):
-            _scatter_rows(combined, piece, rows)
+            if p + 1 < len(pieces):
+                inflight.advance()
+            combines.append(Chain(run.from_experts(piece, run.combine_dtype), [output.detach()]))
+            if p:
+                combines[p - 1].advance()
+        rows = [chain.finish()[0] for chain in combines]
+        combined = tokens.new_empty((tokens.shape[0], rows[0].shape[-1]), dtype=rows[0].dtype)
+        for piece, piece_rows in zip(pieces, rows):
+            _scatter_rows(combined, piece, piece_rows)
         ctx.run = run
         ctx.tokens_shape, ctx.tokens_dtype = tokens.shape, tokens.dtype
         ctx.probs_shape, ctx.probs_dtype = probs.shape, probs.dtype
@@ -105,19 +112,26 @@ class PipelinedExperts(torch.autograd.Function):
         pieces, saved = run.pieces, run.saved
         run.saved = None
         grad_combined = grad_combined.contiguous()
-        returns = []
-        inflight = run.send((grad_combined,), pieces[0], list(pieces[0].recv_splits))
+
+        def combine_backward(p):
+            return Chain(run.to_experts(pieces[p], run.combine_dtype), [_gather_rows(grad_combined, pieces[p])])
+
+        inflight, returns = combine_backward(0), []
         for p, piece in enumerate(pieces):
-            (grad_output,) = run.received(inflight)
+            (grad_output,) = inflight.finish()
             if p + 1 < len(pieces):
-                inflight = run.send((grad_combined,), pieces[p + 1], list(pieces[p + 1].recv_splits))
+                inflight = combine_backward(p + 1)
             piece_tokens, piece_probs, output = saved[p]
-            grads = run.backward(output, grad_output, (piece_tokens, piece_probs))
-            returns.append([_all_to_all(g, list(piece.recv_splits), piece.send_splits, run.group) for g in grads])
+            grads = run.backward(output, grad_output.to(output.dtype), (piece_tokens, piece_probs))
+            if p + 1 < len(pieces):
+                inflight.advance()
+            returns.append(Chain(run.from_experts(piece), grads))
+            if p:
+                returns[p - 1].advance()
         grad_tokens = grad_combined.new_empty(ctx.tokens_shape, dtype=ctx.tokens_dtype)
         grad_probs = grad_combined.new_empty(ctx.probs_shape, dtype=ctx.probs_dtype)
-        for piece, started in zip(pieces, returns):
-            rows_tokens, rows_probs = run.received(started)
+        for piece, chain in zip(pieces, returns):
+            rows_tokens, rows_probs = chain.finish()
             _scatter_rows(grad_tokens, piece, rows_tokens)
             _scatter_rows(grad_probs, piece, rows_probs)
         return grad_tokens, grad_probs, None

@@ -52,9 +52,6 @@ def layer_reason(layer) -> str | None:
         return f"CUDA graphs (cuda_graph_impl={config.cuda_graph_impl})"
     if dispatcher.ep_size == 1:
         return "expert parallelism 1: no all-to-all to overlap"
-    if dispatcher.tp_size > 1:
-        return ("expert tensor parallelism (the dispatcher's all-gather / reduce-scatter around the experts): "
-                "not cut into pieces yet")
     return None
 
 

@@ -137,14 +137,31 @@ def _counts(values) -> list:
 
 def piece_layout(dispatcher, chunks: int) -> list:
     """The pieces of the dispatcher's current call (its routing map and Megatron's split counts)."""
-    ep, local = dispatcher.ep_size, dispatcher.num_local_experts
+    ep, tp, local = dispatcher.ep_size, dispatcher.tp_size, dispatcher.num_local_experts
     local_counts = _counts(dispatcher.routing_map.sum(dim=0))
-    if local > 1:
+    if local > 1:  # [tp * ep, local experts]
         received = _counts(dispatcher.num_global_tokens_per_local_expert)
-    else:
+    elif tp == 1:  # one local expert: what each EP rank sends it
         received = _counts(dispatcher.output_splits)
-    global_counts = [received[s * local:(s + 1) * local] for s in range(ep)]
-    return layout.pieces(local_counts, global_counts, ep, local, chunks)
+    else:  # one local expert with expert TP: Megatron keeps only its own TP rank's counts
+        received = _gathered_counts(dispatcher, local_counts)
+    per_rank = [received[r * local:(r + 1) * local] for r in range(tp * ep)]
+    global_counts = [per_rank[t * ep:(t + 1) * ep] for t in range(tp)]
+    return layout.pieces(local_counts, global_counts, local, chunks, dispatcher.tp_rank)
+
+
+def _gathered_counts(dispatcher, local_counts: list) -> list:
+    """Rows each (TP, EP) rank sends this rank's one local expert, [tp * ep], as Megatron's preprocess
+    gathers them over the TP x EP group (the same small all-gather, again)."""
+    import torch.distributed as dist
+
+    group = dispatcher.tp_ep_group
+    mine = torch.tensor(local_counts)
+    gathered = [torch.empty_like(mine) for _ in range(group.size())]
+    dist.all_gather(gathered, mine, group=group)
+    # Megatron's order of the TP x EP group is EP-major: [ep, tp, experts]
+    by_rank = torch.stack(gathered).reshape(dispatcher.ep_size, dispatcher.tp_size, -1).transpose(0, 1)
+    return by_rank[:, :, dispatcher.local_expert_indices[0]].flatten().tolist()
 
 
 def _pieces(experts, call: _Call, tokens, probs, chunks: int, accumulate: bool = True):
@@ -161,7 +178,9 @@ def _pieces(experts, call: _Call, tokens, probs, chunks: int, accumulate: bool =
     parameters = any(p.requires_grad for p in experts.parameters())
     needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or parameters)
     dispatcher = call.dispatcher
-    run = PieceRun(piece_layout(dispatcher, chunks), expert, dispatcher.ep_group, needs_grad, accumulate)
+    tp_group = dispatcher.tp_group if dispatcher.tp_size > 1 else None
+    run = PieceRun(piece_layout(dispatcher, chunks), expert, dispatcher.ep_group, tp_group,
+                   dispatcher.probs.dtype, needs_grad, accumulate)
     return PipelinedExperts.apply(tokens, probs, run)
 
 
