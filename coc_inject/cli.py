@@ -148,7 +148,20 @@ def cmd_status(args) -> int:
     for case in CASES:
         print(f"  {case.layer:<21} {case.mode:<6} fwd: {case.forward}; bwd: {case.backward} [{case.schedule.value}]")
     print("multi-copy        : " + multi_copy_status(None if errors else config_module.load_config()))
+    print("MoE               : " + moe_status(None if errors else config_module.load_config()))
     return 1 if errors else 0
+
+
+def moe_status(config) -> str:
+    """What COC_MOE_OVERLAP does in this configuration, in one line."""
+    from coc_inject.moe.guards import WITHOUT_PIECES
+
+    if config is None or not config.moe_armed:
+        return "off (COC_MOE_OVERLAP=0)"
+    how = "or Megatron's dispatcher, as each layer shape's trials find fastest (auto)" if config.moe_overlap == "auto" \
+        else "at least 4 per layer (COC_MOE_OVERLAP=1)"
+    return (f"the alltoall dispatcher's all-to-alls in pieces per local expert, pipelined against the experts, "
+            f"{how}; Megatron's dispatcher for: {', '.join(WITHOUT_PIECES)}")
 
 
 def multi_copy_status(config) -> str:

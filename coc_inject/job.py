@@ -20,7 +20,7 @@ from coc_inject.coverage import Coverage
 from coc_inject.patches import Patches
 from coc_inject.pipeline import agreement
 
-LINEARS, ATTENTION, MULTI_COPY = "linears", "attention", "multi-copy"  # the wings, each with its own tuner
+LINEARS, ATTENTION, MULTI_COPY, MOE = "linears", "attention", "multi-copy", "moe"  # the wings, each with its own tuner
 
 _flags = None  # (MindSpeed CoC flags, MindSpeed CP flags) taken out of sys.argv
 _loaded = None  # (environment key, CocConfig)
@@ -93,6 +93,7 @@ class Installation:
             self.coverage.decisions = lambda: self.decisions(LINEARS)
             self.coverage.attention_decisions = lambda: self.decisions(ATTENTION)
             self.coverage.copies_decisions = lambda: self.decisions(MULTI_COPY)
+            self.coverage.moe_decisions = lambda: self.decisions(MOE)
             self.coverage.arm()
         return self.coverage
 

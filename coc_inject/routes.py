@@ -4,7 +4,7 @@ A ``LayerCase`` names a tensor-parallel linear call the engine handles (the tune
 tune cache, ``bench`` and ``tune`` use the same names). A route is where one call goes: CoC's
 chunked pipeline (``Chunked``), a fused kernel (``Fused``), ``COC_PARALLEL_NUM=auto``'s trials
 (``Tuned``, decided into one of the others), Megatron's own forward (``MegatronPath``), or, for
-attention, ``AttentionRoute``; for a TransformerBlock, ``CopiesRoute``. The engine plans with them and the coverage counts them as
+attention, ``AttentionRoute``; for a TransformerBlock, ``CopiesRoute``; for an MoE layer, ``MoERoute``. The engine plans with them and the coverage counts them as
 dict keys, so each is frozen and hashes by what the report shows.
 
 Stdlib only: a dependency of the engine, the coverage and the tuner alike.
@@ -135,5 +135,16 @@ class CopiesRoute:
     reason: str | None = None
 
 
+@dataclass(frozen=True)
+class MoERoute:
+    """An MoE layer call whose dispatcher's all-to-alls ran in ``pieces`` pieces (``chunks`` per local
+    expert), or, with ``pieces`` 0, Megatron's dispatcher and why."""
+
+    name: ClassVar[str] = "moe"
+    pieces: int
+    chunks: int = 0
+    reason: str | None = None
+
+
 # The names the report's "calls" totals use, in their order.
-COUNTED = (Chunked, Fused, MegatronPath, AttentionRoute, CopiesRoute)
+COUNTED = (Chunked, Fused, MegatronPath, AttentionRoute, CopiesRoute, MoERoute)

@@ -32,10 +32,11 @@ def print_moe_layers(report_path, extra) -> None:
     """Each MoE layer's route (pieces and how many, or Megatron's with the reason) and auto's decisions."""
     report = json.loads(report_path.read_text())
     for layer in report["layers"]:
-        if layer["route"] in ("moe-pieces", "moe-megatron"):
-            print(f"   {layer['name']}: " + (f"{layer['pieces']} pieces" if layer["route"] == "moe-pieces"
-                                             else f"Megatron's dispatcher: {layer['reason']}")
+        if layer["route"] == "moe":
+            print(f"   {layer['name']}: " + (f"{layer['pieces']} pieces ({layer['chunks']} per local expert)"
+                                             if layer["pieces"] else f"Megatron's dispatcher: {layer['reason']}")
                   + f", {layer['calls']} calls")
     for decision in report.get("moe_decisions", []):
         times = ", ".join(f"{c} {t:.1f} ms" for c, t in decision["times_ms"].items())
-        print(f"   auto: {decision['key']} -> {decision['choice']} ({decision['source']}: {times})")
+        print(f"   auto: {decision['key']} -> {decision['choice']} ({decision['source']}"
+              + (f": {times}, max over the EP group)" if times else ")"))

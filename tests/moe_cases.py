@@ -172,6 +172,12 @@ def _step(layer, x):
     return out.detach(), x.grad, grads
 
 
+def route_of(layer) -> tuple:
+    """The layer's last MoERoute as ("pieces", chunks per expert) or ("megatron", reason)."""
+    route = layer._coc_moe
+    return ("pieces", route.chunks) if route.pieces else ("megatron", route.reason)
+
+
 class AllToAllRecorder:
     """Every all_to_all_single on this rank in order: (group ranks, output splits, input splits)."""
 
@@ -210,7 +216,7 @@ def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="ra
     counts = getattr(dispatcher, "num_global_tokens_per_local_expert" if layer.num_local_experts > 1 else "output_splits",
                      None)
     return {
-        "route": layer._coc_moe,
+        "route": route_of(layer),
         "out": (got[0] - want[0]).abs().max().item(), "out_scale": want[0].abs().max().item(),
         "x_grad": (got[1] - want[1]).abs().max().item(),
         "param_grad": max((got[2][n] - w).abs().max().item() for n, w in want[2].items()),
@@ -312,7 +318,7 @@ def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, **mod
         _sync_gradients(gpt)
         optimizer.step()
         losses.append(loss.item())
-    routes = [m._coc_moe for m in gpt.modules() if isinstance(m, MoELayer) and hasattr(m, "_coc_moe")]
+    routes = [route_of(m) for m in gpt.modules() if isinstance(m, MoELayer) and hasattr(m, "_coc_moe")]
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in gpt.named_parameters()}, "routes": routes}
 
 

@@ -86,7 +86,7 @@ def test_every_call_falling_back_is_warned_about(pool2):
     options = {"customized_coc": {(32, 32, 32): 1}}
     for rank, result in enumerate(pool2.run("coverage_cases:one_step", sequence_parallel=False,
                                             config_options=options)):
-        assert result["report"]["calls"] == {"chunked": 0, "fused": 0, "megatron": 2, "context-parallel": 0, "multi-copy": 0}
+        assert result["report"]["calls"] == {"chunked": 0, "fused": 0, "megatron": 2, "context-parallel": 0, "multi-copy": 0, "moe": 0}
         said = [line for line in result["log"] if "no layer call went through it" in line]
         assert len(said) == (1 if rank == 0 else 0)
         summary = result["summary"][0]
@@ -206,7 +206,7 @@ def test_job_raising_before_its_first_step_gets_no_summary(tmp_path):
     assert "first step:" not in proc.stderr and "0 of 0" not in proc.stderr and "no layer call" not in proc.stderr
     report = json.loads((tmp_path / "coc.json").read_text())
     assert report["ended_by"] == "exception" and not report["first_step_summarized"]
-    assert report["calls"] == {"chunked": 0, "fused": 0, "megatron": 0, "context-parallel": 0, "multi-copy": 0} and report["megatron_core"]
+    assert report["calls"] == {"chunked": 0, "fused": 0, "megatron": 0, "context-parallel": 0, "multi-copy": 0, "moe": 0} and report["megatron_core"]
 
 
 class _Touchy:
@@ -233,7 +233,7 @@ def test_the_scan_of_live_objects_reads_no_foreign_attribute_and_warns_nothing()
 
 def test_cli_report_prints_a_table(tmp_path):
     report = {"rank": 0, "world_size": 2, "megatron_core": "0.19.2", "config": {"mode": "chunked"},
-              "calls": {"chunked": 3, "fused": 0, "megatron": 3, "context-parallel": 0, "multi-copy": 0},
+              "calls": {"chunked": 3, "fused": 0, "megatron": 3, "context-parallel": 0, "multi-copy": 0, "moe": 0},
               "layers": [{"name": "decoder.layers.0.mlp.linear_fc1", "class": "ColumnParallelLinear",
                           "shape": [64, 32, 32], "route": "megatron", "chunks": None, "backend": None,
                           "reason": "no sequence parallelism", "calls": 3},
@@ -267,7 +267,7 @@ def test_a_freed_layers_calls_stay_in_the_report():
     report = cov.report()
     assert sorted((layer["route"], layer["calls"], layer["shape"]) for layer in report["layers"]) == [
         ("chunked", 1, [8, 2, 2]), ("megatron", 1, [4, 2, 2])]
-    assert report["calls"] == {"chunked": 1, "fused": 0, "megatron": 1, "context-parallel": 0, "multi-copy": 0}
+    assert report["calls"] == {"chunked": 1, "fused": 0, "megatron": 1, "context-parallel": 0, "multi-copy": 0, "moe": 0}
 
 
 @newest_only

@@ -1,4 +1,4 @@
-"""What CoC did in this process: the route every tensor-parallel layer and attention call took.
+"""What CoC did in this process: the route every tensor-parallel layer, attention, block and MoE call took.
 
 The engine and the attention hook count each call under its route (:mod:`coc_inject.routes`)
 per layer; from those counts come the first-step summary with its warnings and the COC_REPORT
@@ -34,6 +34,7 @@ class Coverage(Counts):
         self.decisions = dict  # () -> {DecisionKey: Decision} of COC_PARALLEL_NUM=auto (set by the installation)
         self.attention_decisions = dict  # () -> {AttentionKey: Decision} of COC_CP_ALGO=auto
         self.copies_decisions = dict  # () -> {CopiesKey: Decision} of COC_MULTI_COPY=auto
+        self.moe_decisions = dict  # () -> {MoEKey: Decision} of COC_MOE_OVERLAP=auto
 
     def inspect_model(self) -> None:
         self.model.inspect(self.records.values())

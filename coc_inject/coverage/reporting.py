@@ -10,7 +10,7 @@ import os
 
 from coc_inject import log, megatron_version
 from coc_inject.routes import (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused,
-                               MegatronPath, chunks_linears, copies_of)
+                               MegatronPath, MoERoute, chunks_linears, copies_of)
 
 REPORT_VERSION = 1
 
@@ -62,6 +62,25 @@ def copies_summary(coverage) -> str | None:
     return "; ".join(parts)
 
 
+def moe_summary(coverage) -> str | None:
+    """"MoE pieces on 2 layers (4 pieces): 6 calls", and the calls on Megatron's dispatcher with why;
+    None without MoE calls."""
+    routes = coverage.routes_of(MoERoute)
+    if not routes:
+        return None
+    parts = []
+    pieced = {route: n for route, n in routes.items() if route.pieces}
+    if pieced:
+        layers = sum(1 for record in coverage.all_records() if any(isinstance(r, MoERoute) and r.pieces
+                                                                    for r in record.routes))
+        counts = "/".join(map(str, sorted({route.pieces for route in pieced})))
+        parts.append(f"MoE all-to-alls in pieces on {layers} layers ({counts} pieces): {sum(pieced.values())} calls")
+    without = {route.reason: n for route, n in routes.items() if not route.pieces}
+    if without:
+        parts.append("Megatron's MoE dispatcher for: " + "; ".join(f"{why} ({n} calls)" for why, n in without.items()))
+    return "; ".join(parts)
+
+
 def summary_line(coverage) -> str:
     totals = coverage.calls_by_route()
     model = coverage.model
@@ -70,7 +89,8 @@ def summary_line(coverage) -> str:
     routes = [f"{chunked} chunked ({_chunk_counts(coverage)})" if chunked else None,
               f"{fused} fused" if fused else None,
               f"{megatron} Megatron's own" if megatron else None]
-    others = "; ".join(part for part in (attention_summary(coverage), copies_summary(coverage)) if part)
+    others = "; ".join(part for part in (attention_summary(coverage), copies_summary(coverage), moe_summary(coverage))
+                       if part)
     if coverage.config.enabled:
         text = (f"first step: CoC on {coverage.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
                 + (", ".join(r for r in routes if r) or "none")) + (f"; {others}" if others else "")
@@ -107,6 +127,10 @@ def warnings(coverage) -> list:
         lines.append(f"COC_MULTI_COPY={config.describe()['multi_copy']} but no TransformerBlock call ran as copies "
                      "during the first step" + (" (see the reasons above)" if copies else " (no TransformerBlock "
                                                 "was called)"))
+    moe = coverage.routes_of(MoERoute)
+    if config.moe_armed and not any(route.pieces or route.reason.startswith("auto:") for route in moe):
+        lines.append(f"COC_MOE_OVERLAP={config.moe_overlap} but no MoE layer call ran its all-to-alls in pieces "
+                     "during the first step" + (" (see the reasons above)" if moe else " (no MoELayer was called)"))
     if config.enabled and totals[Chunked.name] + totals[Fused.name] == 0 and not auto_stepped_aside:
         lines.append("CoC is on but no layer call went through it during the first step"
                      + (" (see the reasons above)" if totals[MegatronPath.name] else " (no patched layer was called)"))
@@ -122,6 +146,10 @@ def _layer_entry(record, route, calls: int) -> dict:
         return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape, "route": route.name,
                 "copies": route.copies, "layers": route.layers, "chunks": None, "backend": None,
                 "reason": route.reason, "calls": calls}
+    if isinstance(route, MoERoute):
+        return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape, "route": route.name,
+                "pieces": route.pieces, "chunks": route.chunks or None, "backend": None, "reason": route.reason,
+                "calls": calls}
     if isinstance(route, AttentionRoute):
         return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape,
                 "route": route.name, "algorithm": route.algorithm, "cp_size": route.cp_size, "chunks": None,
@@ -167,6 +195,10 @@ def report(coverage) -> dict:
              "source": decision.source,
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.copies_decisions().items()],
+        "moe_decisions": [
+            {"key": key.text(), "choice": key.name(decision.choice), "chunks": decision.choice,
+             "source": decision.source, "times_ms": {key.candidate(c): round(t, 4) for c, t in decision.times_ms.items()}}
+            for key, decision in coverage.moe_decisions().items()],
     }
 
 

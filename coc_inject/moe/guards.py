@@ -7,6 +7,11 @@ The pieces replace the dispatcher's all-to-alls and the local experts' loop of M
 
 from __future__ import annotations
 
+# What status names as running on Megatron's path (the reasons below, briefly).
+WITHOUT_PIECES = ("the allgather and flex dispatchers", "grouped / Transformer Engine experts", "EP 1", "FP8 / FP4",
+                  "permute fusion", "padding to capacity", "Megatron's own EP or shared-expert overlap",
+                  "CUDA graphs", "inference mode")
+
 # (config attribute, why a layer with it set (not None / False) runs on Megatron's path)
 _CONFIG_GUARDS = (
     ("fp8", "FP8: its quantised expert inputs are padded per expert inside Megatron's experts"),

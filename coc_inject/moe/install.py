@@ -25,9 +25,10 @@ import torch
 from coc_inject import job, log
 from coc_inject.moe import auto, guards, layout
 from coc_inject.moe.function import PieceRun, PipelinedExperts
+from coc_inject.routes import MoERoute
 
 MIN_PIECES = 4  # COC_MOE_OVERLAP=1 cuts each local expert's rows into chunks up to this many pieces
-MOE = "moe"  # this wing's tuner (job.Installation.tuner)
+MOE = job.MOE  # this wing's tuner
 AUTO_CHOSE_MEGATRON = "auto: Megatron's dispatcher was faster for this shape"
 _DECIDING = -1  # a call of COC_MOE_OVERLAP=auto whose shape is decided in the experts' place
 
@@ -234,6 +235,16 @@ _unset = object()
 def _count(installation, layer, call, reason) -> None:
     if call is not None and call.chunks == auto.MEGATRON:  # auto decided at this call
         call, reason = None, AUTO_CHOSE_MEGATRON
-    layer._coc_moe = ("pieces", call.chunks) if call is not None else ("megatron", reason)
+    if call is None:
+        route = MoERoute(0, 0, reason)
+    else:
+        route = MoERoute(call.dispatcher.num_local_experts * call.chunks, call.chunks)
+    layer._coc_moe = route  # this layer's last route (tests, and a user poking at the model)
     if reason is not None and reason != AUTO_CHOSE_MEGATRON:
         log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")
+    if installation.coverage is not None:
+        installation.coverage.count(layer, route, None, _no_shape)
+
+
+def _no_shape(layer, input_) -> list:
+    return []

@@ -1,0 +1,90 @@
+"""MoE as users run it: the unmodified tiny GPT pretraining script under torchrun with 4 experts per
+MLP, EP 2 (TP 1, 2 data-parallel replicas), COC_MOE_OVERLAP set in the environment only (it arms
+coc-inject on its own), against the same script without coc-inject; and MindSpeed's flag."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+from launch import SITE, clean_env, torchrun  # noqa: E402
+
+SCRIPT = ROOT / "examples" / "pretrain_tiny_gpt.py"
+STEPS = 3
+ARGS = ["--steps", str(STEPS), "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2", "--vocab-size", "128",
+        "--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "1"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("moe_e2e")
+
+    def coc(name, **settings):
+        return clean_env(PYTHONPATH=str(SITE), COC_REPORT=str(work / f"{name}_{{rank}}.json"),
+                         COC_TUNE_CACHE="off", **settings)
+
+    launches = {
+        "off": (clean_env(), []),
+        "pieces": (coc("pieces", COC_MOE_OVERLAP="1"), []),
+        "auto": (coc("auto", COC_MOE_OVERLAP="auto"), []),
+        "flag": (coc("flag"), ["--moe-alltoall-overlap-comm"]),  # MindSpeed's flag, taken out of argv
+    }
+    results = {}
+    for name, (env, extra) in launches.items():
+        proc = torchrun(SCRIPT, [*ARGS, *extra, "--json", str(work / f"{name}.json")], env, work)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"
+        results[name] = (proc, json.loads((work / f"{name}.json").read_text()))
+    return work, results
+
+
+@pytest.mark.parametrize("name", ["pieces", "auto", "flag"])
+def test_losses_equal_off(runs, name):
+    _, results = runs
+    want, got = results["off"][1]["losses"], results[name][1]["losses"]
+    assert len(got) == STEPS and got[0] > got[-1]
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (got, want)
+
+
+def test_banner_summary_and_report_say_what_ran(runs):
+    work, results = runs
+    proc, _ = results["pieces"]
+    banner = next(line for line in proc.stderr.splitlines() if "MoE overlap installed on MoELayer" in line)
+    assert len(banner) < 160, banner
+    assert "MoE all-to-alls in pieces on 2 layers (4 pieces): 2 calls" in proc.stderr, proc.stderr[-3000:]
+    assert "runs Megatron's path" not in proc.stderr and "no MoE layer call" not in proc.stderr
+    for rank in range(2):
+        report = json.loads((work / f"pieces_{rank}.json").read_text())
+        layers = [(layer["name"], layer["pieces"], layer["chunks"], layer["reason"], layer["calls"])
+                  for layer in report["layers"] if layer["route"] == "moe"]
+        assert layers == [(f"decoder.layers.{i}.mlp", 4, 2, None, STEPS) for i in range(2)], layers
+        assert report["calls"]["moe"] == 2 * STEPS and report["config"]["moe_overlap"] == "1"
+
+
+def test_auto_decides_once_per_shape_the_same_on_both_ranks(runs):
+    work, _ = runs
+    decisions = [json.loads((work / f"auto_{rank}.json").read_text())["moe_decisions"] for rank in range(2)]
+    assert len(decisions[0]) == 1 and decisions[0][0]["source"] == "trials"
+    assert [d["chunks"] for d in decisions[0]] == [d["chunks"] for d in decisions[1]]
+    assert set(decisions[0][0]["times_ms"]) == {"Megatron", "1 chunk(s)", "2 chunk(s)", "4 chunk(s)"}
+
+
+def test_mindspeeds_flag_reads_as_pieces(runs):
+    work, results = runs
+    report = json.loads((work / "flag_0.json").read_text())
+    assert report["config"]["moe_overlap"] == "1"
+    assert {layer["pieces"] for layer in report["layers"] if layer["route"] == "moe"} == {4}
+
+
+@pytest.mark.parametrize("setting,words", [("0", "off (COC_MOE_OVERLAP=0)"), ("1", "at least 4 per layer"),
+                                           ("auto", "as each layer shape's trials find fastest (auto)")])
+def test_status_says_what_moe_overlap_does(setting, words):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "status"], capture_output=True, text=True,
+                          env=clean_env(COC_MOE_OVERLAP=setting))
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("MoE "))
+    assert words in line and (setting == "0" or "the allgather and flex dispatchers" in line), line
