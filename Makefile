@@ -32,7 +32,7 @@ MOE_SUITES := tests/test_moe.py
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp demo-copies test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash clean
+.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -50,6 +50,10 @@ demo-cp: $(VENV)/.installed
 # COC_MULTI_COPY=auto over the link, interleaved over $(ROUNDS) rounds (the figures of benchmarks/RESULTS.md).
 demo-copies: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py --part copies --copies-rounds $(ROUNDS) --link-rate $(LINK)
+
+# make demo's MoE part alone: off vs COC_MOE_OVERLAP=auto over the link, interleaved over $(ROUNDS) rounds.
+demo-moe: $(VENV)/.installed
+	$(VENV)/bin/python examples/demo.py --part moe --moe-rounds $(ROUNDS) --link-rate $(LINK)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/coc-inject bench

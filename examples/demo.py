@@ -23,7 +23,7 @@ repeats the three), against the same CP=1 run; else one line says why it is skip
 runs one thread: torchrun sets OMP_NUM_THREADS=1 only for 2+ processes per node, so the 1-rank
 CP=1 run gets it explicitly.
 
-Part 5: MoE (examples/demo_moe.py): a GPT whose MLPs are 4 experts, EP 2, off against
+Part 5: MoE (examples/demo_moe.py): a GPT whose MLPs are 8 experts (top-4), EP 2, off against
 ``COC_MOE_OVERLAP=auto``, over the emulated link where it can be set up, else over loopback.
 
     python examples/demo.py [--steps 30] [--link-rate 1gbit] [--no-link] [--chunks N]

@@ -1,4 +1,4 @@
-"""`make demo`'s MoE part: the same training script with every MLP a mixture of 4 experts (top-2,
+"""`make demo`'s MoE part: the same training script with every MLP a mixture of 8 experts (top-4,
 alltoall dispatcher), EP 2 on 2 ranks (TP 1, 2 data-parallel replicas), off and with
 ``COC_MOE_OVERLAP=auto`` through the environment only: over the emulated link where it can be
 set up (MOE_MODEL: the experts' compute and their all-to-alls of the same order at 1 gbit), else
@@ -9,9 +9,9 @@ import json
 
 from demo_runs import variant_runs
 
-MOE_MODEL = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
-             "--moe-router-topk", "2", "--num-layers", "2", "--hidden-size", "512", "--ffn-hidden-size", "768",
-             "--num-attention-heads", "8", "--seq-length", "512", "--micro-batch-size", "4", "--vocab-size", "256"]
+MOE_MODEL = ["--num-experts", "8", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
+             "--moe-router-topk", "4", "--num-layers", "2", "--hidden-size", "512", "--ffn-hidden-size", "768",
+             "--num-attention-heads", "8", "--seq-length", "512", "--micro-batch-size", "2", "--vocab-size", "256"]
 MOE_STEPS = 8
 MOE_VARIANTS = {"off": {}, "COC_MOE_OVERLAP=auto": {"COC_MOE_OVERLAP": "auto"}}
 LINK_TARGET = 1.15  # issue 26: a GPT-MoE step over the link with auto >= 1.15x off
@@ -20,7 +20,7 @@ LOOPBACK_TARGET = 0.97  # and on loopback >= 0.97x off
 
 def moe_part(workdir, link, rate, rounds=1) -> bool:
     where = f"over the emulated {rate} link (one core per rank)" if link else "over loopback"
-    title = (f"Part 5: MoE, expert parallelism 2 {where}: tiny GPT with 4 experts per MLP (top-2), the "
+    title = (f"Part 5: MoE, expert parallelism 2 {where}: tiny GPT with 8 experts per MLP (top-4), the "
              "dispatcher's all-to-alls pipelined against the experts in pieces")
     target = {"COC_MOE_OVERLAP=auto": LINK_TARGET if link else LOOPBACK_TARGET}
     ok, _ = variant_runs(title, workdir, link, MOE_STEPS, MOE_MODEL, rounds, MOE_VARIANTS, {}, target,
