@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from coc_inject.bench import attention, layers, ranks, report, startup, whole_layer
+from coc_inject.bench import attention, layers, moe, ranks, report, startup, whole_layer
 from coc_inject.bench.link import EmulatedLink, LinkError
 from coc_inject.bench.ranks import Setup
 
@@ -54,11 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link", metavar="RATE", help="emulate a link of this rate between the 2 ranks, "
                         "e.g. 1gbit (root only)")
     parser.add_argument("--cases", nargs="+", default=list(layers.DEFAULT_CASES),
-                        choices=[*layers.CASES, *attention.CASES, whole_layer.CASE],
+                        choices=[*layers.CASES, *attention.CASES, whole_layer.CASE, moe.CASE],
                         help="linear layer cases, and/or attention: context-parallel core attention, every "
                              "algorithm (coc_inject.bench.attention; writes attention.json / attention.png), "
                              "and/or layer: a whole TransformerBlock forward + backward, Megatron vs CoC vs "
-                             "multi-copy vs both, with the exposed communication (coc_inject.bench.whole_layer)")
+                             "multi-copy vs both, with the exposed communication (coc_inject.bench.whole_layer), "
+                             "and/or moe: one MoE layer, Megatron's alltoall dispatcher vs the pieces vs auto, with "
+                             "the pipelining limit (coc_inject.bench.moe; writes moe.json / moe.png)")
     parser.add_argument("--chunks", nargs="+", type=chunk_variant, default=[1, 2, 4, 8, "auto"],
                         help="fixed chunk counts and/or auto (COC_PARALLEL_NUM=auto, fresh tune cache; "
                              "default: 1 2 4 8 auto)")
@@ -83,6 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     attention_options.add_argument("--kernel", default="fused", choices=["fused", "reference", "both"],
                                    help="the block kernel (default fused: the device's flash kernel); both: every "
                                         "algorithm also on the reference kernel, as extra rows")
+    moe_options = parser.add_argument_group("MoE case (--cases moe)")
+    moe_options.add_argument("--ep", type=int, default=2, help="expert-parallel size, one local rank each (default 2)")
+    moe_options.add_argument("--local-experts", nargs="+", type=int, default=[1, 2, 4],
+                             help="local experts per rank, one case each (default 1 2 4)")
+    moe_options.add_argument("--moe-tokens", type=int, default=4096, help="tokens per rank into the layer")
+    moe_options.add_argument("--moe-hidden", type=int, default=1024)
+    moe_options.add_argument("--moe-ffn", type=int, default=768,
+                             help="expert FFN size (default 768: the experts' compute and their all-to-alls of the "
+                                  "same order over the emulated 1 gbit link, one thread per rank)")
+    moe_options.add_argument("--moe-topk", type=int, default=2)
     return parser
 
 
@@ -128,6 +140,10 @@ def main(argv=None) -> int:
             return code
     if whole_layer.CASE in args.cases:
         code = whole_layer.bench(args)
+        if code or not linear_cases and moe.CASE not in args.cases:
+            return code
+    if moe.CASE in args.cases:
+        code = moe.bench(args)
         if code or not linear_cases:
             return code
     started = time.time()

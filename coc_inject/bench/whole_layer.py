@@ -52,7 +52,7 @@ def no_collectives():
         return _Done() if async_op else None
 
     names = ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
-             "all_gather")
+             "all_gather", "all_to_all_single")
     saved = [(dist, "all_reduce", dist.all_reduce)] + [(dist, name, getattr(dist, name)) for name in names]
     saved += [(module, alias, getattr(module, alias)) for module in map(importlib.import_module, MEGATRON_ALIASES)
               for alias in MEGATRON_ALIASES[module.__name__]]

@@ -67,10 +67,11 @@ class _Megatron:
         return self.token_combine(dispatcher, self.combine_preprocess(dispatcher, output))
 
 
-def install(config, moe_layer_module) -> None:
+def install(config, moe_layer_module, chunks: int | None = None) -> None:
     """Patch for ``config.moe_overlap``, counting no calls (tests, bench; the import hook counts):
-    into the job's installation for ``config``. Undone by ``job.uninstall()``."""
-    _install(job.installation(config), moe_layer_module)
+    into the job's installation for ``config``. Undone by ``job.uninstall()``. ``chunks``: a fixed
+    count per local expert instead of COC_MOE_OVERLAP=1's (the bench's variants)."""
+    _install(job.installation(config), moe_layer_module, chunks)
 
 
 def on_moe_layer_imported(module) -> None:
@@ -89,7 +90,7 @@ def banner(config) -> str:
     return f"MoE overlap installed on MoELayer: alltoall dispatch and combine in {pieces} (details: coc-inject status)"
 
 
-def _install(installation, moe_layer_module) -> None:
+def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
     from megatron.core.transformer.moe import experts, token_dispatcher
 
     patches = installation.patches
@@ -102,7 +103,7 @@ def _install(installation, moe_layer_module) -> None:
         patches.patch(dispatcher, name, _when_pieces(patches.original(dispatcher, name), deferred))
     pieces_forward = functools.partial(_experts_forward, installation, megatron)
     patches.patch(mlp, "forward", _when_pieces(megatron.experts_forward, pieces_forward))
-    patches.patch(layer, "forward", _layer_forward(installation, patches.original(layer, "forward")))
+    patches.patch(layer, "forward", _layer_forward(installation, patches.original(layer, "forward"), chunks))
 
 
 def _when_pieces(original, deferred):
@@ -198,7 +199,7 @@ def _experts_forward(installation, megatron: _Megatron, experts, call: _Call, to
     return _pieces(experts, call, tokens, probs, call.chunks), None
 
 
-def _layer_forward(installation, original):
+def _layer_forward(installation, original, chunks: int | None):
     deciding = installation.config.moe_overlap == "auto"
 
     @functools.wraps(original)
@@ -207,7 +208,7 @@ def _layer_forward(installation, original):
         call = None
         if reason is None:
             dispatcher = self.token_dispatcher
-            call = _Call(chunks_per_expert(dispatcher.num_local_experts), dispatcher)
+            call = _Call(chunks or chunks_per_expert(dispatcher.num_local_experts), dispatcher)
             if deciding:
                 call.key = auto.key_of(self, hidden_states)
                 decided = installation.tuner(MOE).decisions.get(call.key)
