@@ -2,7 +2,7 @@
 experts, top-k): Megatron's dispatcher, the pieces at 1, 2 and 4 chunks per local expert, auto, and
 the compute-only twin (every collective a no-op) -- with the pipelining limit.
 
-C = the compute-only time; M = Megatron's time minus C (its exposed communication). Pipelining can
+C = the compute-only time (the tokens' all-to-alls no-ops); M = Megatron's time minus C (its exposed communication). Pipelining can
 at best hide the smaller of the two: the limit is max(C, M), and each variant's "of limit" is
 limit / its time; "hidden" is the share of M it no longer shows. Variants interleaved, rotating,
 medians of ``--reps`` of the MAX over ranks (a barrier before each run). On CPU ranks, Megatron's MoE
@@ -118,7 +118,8 @@ def rank_work(args, device) -> dict | None:
                                        tune_cache=f"{scratch}/tune-{local}.json")
                     install.install(config, moe_layer, None if name == "auto" else int(name.split("=")[1]))
                 try:
-                    with no_collectives() if name == "compute-only" else contextlib.nullcontext():
+                    # the data's all-to-alls only: the dispatcher's small count gathers must still run
+                    with no_collectives(("all_to_all_single",)) if name == "compute-only" else contextlib.nullcontext():
                         yield
                 finally:
                     if name == "auto":

@@ -34,8 +34,8 @@ class _Done:
 
 
 @contextmanager
-def no_collectives():
-    """Every collective a no-op that zero-fills its output (compute-only timing)."""
+def no_collectives(only=None):
+    """Every collective (or those named in ``only``) a no-op that zero-fills its output (compute-only timing)."""
     import importlib
 
     import torch.distributed as dist
@@ -56,6 +56,7 @@ def no_collectives():
     saved = [(dist, "all_reduce", dist.all_reduce)] + [(dist, name, getattr(dist, name)) for name in names]
     saved += [(module, alias, getattr(module, alias)) for module in map(importlib.import_module, MEGATRON_ALIASES)
               for alias in MEGATRON_ALIASES[module.__name__]]
+    saved = [entry for entry in saved if only is None or entry[1] in only]
     for owner, name, _ in saved:
         setattr(owner, name, in_place if name == "all_reduce" else output_zeroed)
     try:
