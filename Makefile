@@ -76,7 +76,7 @@ bench-startup: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.startup
 
 bench-accounting: $(VENV)/.installed
-	$(VENV)/bin/python -m coc_inject.bench.accounting
+	$(VENV)/bin/python benchmarks/accounting.py
 
 # The attention kernels against what a user runs instead: block kernel fused vs reference, ring CP=2
 # vs scaled_dot_product_attention in one process (seq 4096, 8192; fp32, bf16), peak memory growth.

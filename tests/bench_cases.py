@@ -13,7 +13,7 @@ def auto_variant(*, case, chunks, reps, tune_cache, slow=(), slow_rank=1, second
     ``seconds`` longer (a real delay, so the decision is known). Counts every decision the
     engine's tuners make while the case is measured."""
     from coc_inject.tuning import online as tuning
-    from coc_inject.bench import layers
+    from coc_inject.bench.cases import linears as layers
 
     decide, chunks_for = tuning.Tuner._decide, tuning.Tuner.chunks
     made = []

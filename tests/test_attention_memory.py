@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from coc_inject.bench import flash
+from coc_inject.bench.cases import flash
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 

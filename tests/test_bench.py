@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from coc_inject.bench import link, report
+from coc_inject.bench import link
+from coc_inject.bench.cases import linears_figures as report
 
 
 def synthetic(megatron_ms, variants_ms, compute_ms, comm_ms, reps=5):

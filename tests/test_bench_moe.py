@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from coc_inject.bench import moe
+from coc_inject.bench.cases import moe
 
 
 def samples(ms: dict, reps=3) -> dict:

@@ -1,4 +1,12 @@
-"""Bench figures from raw per-repetition times: medians, ratios, ideal, efficiency; table, JSON, PNG."""
+"""Bench figures from raw per-repetition times, for every case: medians, per-repetition ratios to the
+first variant, C (the compute-only twin), M (communication), the pipelining limit max(C, M) and the
+share of it reached, exposed communication hidden; a table, JSON and a PNG.
+
+Ratios are medians of per-repetition ratios (reference / variant, > 1: faster), never ratios of
+medians: the variants of one repetition ran side by side, so a slow moment of the machine cancels.
+Pipelining can at best hide the smaller of C and M: a variant's "of limit" is max(C, M) / its time;
+"hidden" is the share of M (the reference's time minus C: its exposed communication) it no longer shows.
+"""
 
 from __future__ import annotations
 
@@ -6,142 +14,92 @@ import json
 import statistics
 from pathlib import Path
 
+COMPUTE_ONLY = "compute-only"
+NO_MATPLOTLIB = "matplotlib is not installed (pip install 'coc-inject[bench]'): no PNG written"
 
-def _median_ms(samples):
+
+def median_ms(samples) -> float:
     return 1e3 * statistics.median(samples)
 
 
-def _median_ratio(reference, samples):
+def median_ratio(reference, samples) -> float:
     return statistics.median(r / t for r, t in zip(reference, samples))
 
 
-def chunks_of(name: str, result: dict) -> int:
-    """The chunk count a variant ran: ``N=c`` -> c; ``auto`` -> the N it decided."""
-    return result["auto"]["chunks"] if name == "auto" else int(name.split("=")[1])
+def totals(times: dict) -> list:
+    """Per repetition forward + backward of ``{pass: [seconds]}`` (or its one fwd_bwd pass)."""
+    if "fwd_bwd" in times:
+        return times["fwd_bwd"]
+    return [f + b for f, b in zip(times["forward"], times["backward"])]
 
 
-def summarize_case(result: dict) -> dict:
-    """Figures for one case. Ratios are medians of per-repetition Megatron/variant ratios.
-
-    Pipelining ideal for N chunks with compute C and communication M (forward, measured alone):
-    ``max(C, M) + min(C, M)/N``; the ideal *saving* against Megatron's measured time is
-    ``min(C, M) * (1 - 1/N)``, and overlap efficiency is the fraction of it achieved:
-    ``(t_megatron - t_N) / ideal saving``. The ``auto`` variant is figured with the N it chose
-    (its row adds ``chunks`` and ``decision``: source, trial times, noise).
-    """
-    times = result["times"]
-    compute = _median_ms(times["compute-only"]["forward"])
-    comm = _median_ms(times["comm-only"]["forward"])
-    megatron = times["megatron"]
-    megatron_total = [f + b for f, b in zip(megatron["forward"], megatron["backward"])]
-    megatron_fwd_ms = _median_ms(megatron["forward"])
-    variants = {}
-    for name, samples in times.items():
-        if name in ("compute-only", "comm-only"):
-            continue
-        total = [f + b for f, b in zip(samples["forward"], samples["backward"])]
-        row = {"forward_ms": _median_ms(samples["forward"]), "backward_ms": _median_ms(samples["backward"]),
-               "fwd_bwd_ms": _median_ms(total)}
-        if name != "megatron":
-            chunks = chunks_of(name, result)
-            if name == "auto":
-                row["chunks"] = chunks
-                row["decision"] = result["auto"]
-            row["forward_speedup"] = _median_ratio(megatron["forward"], samples["forward"])
-            row["backward_speedup"] = _median_ratio(megatron["backward"], samples["backward"])
-            row["fwd_bwd_speedup"] = _median_ratio(megatron_total, total)
-            saving = min(compute, comm) * (1 - 1 / chunks)
-            row["ideal_ms"] = max(compute, comm) + min(compute, comm) / chunks
-            row["ideal_speedup"] = megatron_fwd_ms / (megatron_fwd_ms - saving) if saving else 1.0
-            row["efficiency"] = (megatron_fwd_ms - row["forward_ms"]) / saving if saving > 0 else None
-        variants[name] = row
-    return {"label": result["label"], "compute_ms": compute, "comm_ms": comm, "variants": variants}
+def overlap(samples: dict) -> dict:
+    """``samples``: ``{variant: [seconds per repetition]}``, the reference first (Megatron as it is),
+    the compute-only twin under COMPUTE_ONLY. C, M, the limit and per variant: ms, vs the reference,
+    share of the limit reached, exposed communication and the share of M hidden."""
+    medians = {name: median_ms(row) for name, row in samples.items()}
+    compute = medians.pop(COMPUTE_ONLY)
+    reference = next(iter(medians))
+    comm = max(medians[reference] - compute, 0.0)
+    limit = max(compute, comm)
+    rows = {name: {"ms": ms, "vs_megatron": median_ratio(samples[reference], samples[name]), "of_limit": limit / ms,
+                   "exposed_ms": ms - compute, "hidden": 1 - (ms - compute) / comm if comm > 0 else None}
+            for name, ms in medians.items()}
+    return {"compute_ms": compute, "comm_ms": comm, "limit_ms": limit, "rows": rows}
 
 
-def summarize(results: list) -> dict:
-    return {result["case"]: summarize_case(result) for result in results}
-
-
-def format_table(summary: dict) -> str:
-    lines = [f"{'case':<22} {'variant':<9} {'fwd ms':>8} {'fwd x':>6} {'ideal ms':>9} {'eff':>5} "
-             f"{'bwd ms':>8} {'bwd x':>6} {'fwd+bwd ms':>10} {'f+b x':>6}"]
-    for case in summary.values():
-        lines.append(f"{case['label']:<22} compute-only {case['compute_ms']:.1f} ms, comm-only {case['comm_ms']:.1f} ms")
-        for name, row in case["variants"].items():
-            def fmt(key, spec):
-                value = row.get(key)
-                return "-" if value is None else format(value, spec)
-            shown = f"auto N={row['chunks']}" if name == "auto" else name
-            lines.append(f"{'':<22} {shown:<9} {row['forward_ms']:8.1f} {fmt('forward_speedup', '.2f'):>6} "
-                         f"{fmt('ideal_ms', '.1f'):>9} {fmt('efficiency', '.0%'):>5} "
-                         f"{row['backward_ms']:8.1f} {fmt('backward_speedup', '.2f'):>6} "
-                         f"{row['fwd_bwd_ms']:10.1f} {fmt('fwd_bwd_speedup', '.2f'):>6}")
-        if "auto" in case["variants"]:
-            lines.append(f"{'':<22} {describe_decision(case['variants']['auto']['decision'])}")
-    lines.append("x: median over repetitions of Megatron time / variant time (> 1: faster). ideal: "
-                 "max(C,M)+min(C,M)/N. eff: achieved / ideal saving.")
-    if any("auto" in case["variants"] for case in summary.values()):
-        lines.append("auto N=c: COC_PARALLEL_NUM=auto (fresh tune cache), its trials (fwd+bwd, median, max "
-                     "over ranks) run before the repetitions; timed: the N it chose (N=1: Megatron's path).")
+def format_overlap(case: dict, title: str, note: str = "") -> str:
+    lines = [f"{title}: C {case['compute_ms']:.1f} ms, M {case['comm_ms']:.1f} ms, limit max(C, M) "
+             f"{case['limit_ms']:.1f} ms{note}"]
+    for name, row in case["rows"].items():
+        hidden = "" if row["hidden"] is None else f"  hides {100 * row['hidden']:.0f}% of M"
+        lines.append(f"  {name:13s} {row['ms']:9.1f} ms  {row['vs_megatron']:.3f}x  {100 * row['of_limit']:5.1f}% of "
+                     f"limit  exposed {row['exposed_ms']:.1f} ms{hidden}")
     return "\n".join(lines)
 
 
-def describe_decision(decision: dict) -> str:
-    """``auto chose N=4 (trials: N=1 2.10 ms, N=2 1.50 ms, ...; noise 0.06 ms)``."""
-    text = f"auto chose N={decision['chunks']} ({decision['source']}"
-    if decision.get("times_ms"):
-        text += ": " + ", ".join(f"N={c} {t:.2f} ms" for c, t in decision["times_ms"].items())
-        text += f"; noise {decision['noise_ms']:.2f} ms"
-    return text + ")"
-
-
 def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1) + "\n")
 
 
-def write_png(path: Path, summary: dict, results: list, title: str) -> str | None:
-    """Speedup vs N per case, and a timeline of one CoC call. Returns why not, if it can't."""
+def write_png(path: Path, panels: list, title: str, size=(4.5, 4.2), widths=None) -> str | None:
+    """One figure of ``len(panels)`` side-by-side axes, ``panels[i](axis)`` drawing each. Returns why
+    not, if it can't (matplotlib is an extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'coc-inject[bench]'): no PNG written"
-    figure, (speed, lanes) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for name, case in summary.items():
-        points = sorted((int(v.split("=")[1]), row) for v, row in case["variants"].items()
-                        if v not in ("megatron", "auto"))
-        xs = [n for n, _ in points]
-        line, = speed.plot(xs, [row["forward_speedup"] for _, row in points], "o-", label=f"{case['label']} fwd")
-        speed.plot(xs, [row["fwd_bwd_speedup"] for _, row in points], "s--", color=line.get_color(),
-                   label=f"{case['label']} fwd+bwd")
-        speed.plot(xs, [row["ideal_speedup"] for _, row in points], ":", color=line.get_color(), alpha=0.6)
-        auto = case["variants"].get("auto")
-        if auto is not None:  # at the N it chose: filled star fwd, hollow star fwd+bwd
-            speed.plot([auto["chunks"]], [auto["forward_speedup"]], "*", markersize=13, color=line.get_color(),
-                       label=f"{case['label']} auto (chose N={auto['chunks']})")
-            speed.plot([auto["chunks"]], [auto["fwd_bwd_speedup"]], "*", markersize=13, markerfacecolor="none",
-                       color=line.get_color())
-    speed.axhline(1.0, color="grey", linewidth=0.8)
-    speed.set_xscale("log", base=2)
-    speed.set_xlabel("chunks N")
-    speed.set_ylabel("speedup vs unpatched Megatron (median of ratios)")
-    speed.set_title("speedup (dotted: pipelining ideal; stars: auto at its N)")
-    speed.legend(fontsize=7)
-    first = results[0]
-    events = first["timeline"]
-    starts = sorted({start for _, start, _, _ in events})
-    for kind, start, t0, t1 in events:
-        lane = 1 if kind == "compute" else 0
-        lanes.broken_barh([(t0, max(t1 - t0, 0.05))], (lane - 0.35, 0.7),
-                          color=f"C{starts.index(start) % 10}", alpha=0.85)
-        lanes.text((t0 + t1) / 2, lane, str(starts.index(start)), ha="center", va="center", fontsize=7)
-    lanes.set_yticks([0, 1], ["communication", "matmul"])
-    lanes.set_xlabel("ms since the call began (host clock, rank 0)")
-    lanes.set_title(f"one {first['label']} forward, {len(starts)} chunks")
-    figure.suptitle(title, fontsize=9)
+        return NO_MATPLOTLIB
+    figure, axes = plt.subplots(1, len(panels), figsize=(size[0] * len(panels), size[1]), squeeze=False,
+                                gridspec_kw={"width_ratios": widths} if widths else None)
+    for axis, draw in zip(axes[0], panels):
+        draw(axis)
+    figure.suptitle(title, fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return None
+
+
+def overlap_panel(case: dict, title: str):
+    """A panel of :func:`write_png`: each variant's time, the limit max(C, M) and C."""
+    def draw(axis):
+        names = list(case["rows"])
+        axis.bar(range(len(names)), [case["rows"][n]["ms"] for n in names], color=[f"C{i}" for i in range(len(names))])
+        axis.axhline(case["limit_ms"], color="black", linestyle=":", label="limit max(C, M)")
+        axis.axhline(case["compute_ms"], color="grey", linestyle="--", label="compute only C")
+        axis.set_xticks(range(len(names)), names, rotation=30, fontsize=7)
+        axis.set_ylabel("ms, forward + backward")
+        axis.set_title(title, fontsize=9)
+        axis.legend(fontsize=7)
+    return draw
+
+
+def write(out: Path, name: str, payload: dict, panels: list, title: str, **figure) -> None:
+    """``name``.json and ``name``.png into ``out``, and the line saying so."""
+    write_json(out / f"{name}.json", payload)
+    problem = write_png(out / f"{name}.png", panels, title, **figure)
+    print(f"wrote {out / f'{name}.json'}" + (f"; {problem}" if problem else f" and {out / f'{name}.png'}"))

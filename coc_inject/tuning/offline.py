@@ -296,7 +296,7 @@ def tune_rank(plan: Plan, device) -> dict | None:
 def _tune_linears(plan, dtype, device) -> dict:
     import torch  # as in tune_rank: only in the ranks
 
-    from coc_inject.bench import layers
+    from coc_inject.bench.cases import linears as layers
     from coc_inject.tuning.online import hardware_identity
 
     patching.install(plan.config)

@@ -1,5 +1,6 @@
-"""Attention bench figures from raw per-repetition times: medians, ratios vs allgather, C, M, the
-ring's pipelining ideal and overlap efficiency, memory; table, targets, JSON, PNG.
+"""The attention case's figures (coc_inject.bench.cases.attention): the bench report's medians and
+ratios, against allgather; the ring's step-wise pipelining ideal and overlap efficiency, memory kept
+for backward, the SDPA yardstick; table, targets, PNG panels.
 
 Pipelining ideal of a plain ring (window 1) of n steps, per pass, from the per-step medians of
 the compute-only run (c_k: kernel of step k) and of the communication-only run (m_k: transfer k,
@@ -17,26 +18,29 @@ ideal), serial = C + M (M: time some transfer was in flight in the communication
 
 from __future__ import annotations
 
+import math
 import statistics
-from pathlib import Path
 
-from coc_inject.bench.report import write_json  # noqa: F401  (one JSON writer for the bench)
+from coc_inject.bench.report import median_ms as _ms, median_ratio as _median_ratio, totals as _totals
 
 PASSES = ("forward", "backward")
 TARGET_SPEEDUP, TARGET_EFFICIENCY = 1.25, 0.80
 AUTO_SLACK = 0.05  # COC_CP_ALGO=auto: within 5% of the best fixed algorithm
 
 
-def _ms(samples):
-    return 1e3 * statistics.median(samples)
-
-
-def _totals(times):
-    return [f + b for f, b in zip(times["forward"], times["backward"])]
-
-
-def _median_ratio(reference, samples):
-    return statistics.median(r / t for r, t in zip(reference, samples))
+def steps(trace) -> dict:
+    """Per pass of one traced call: each kernel step's duration, each transfer's (start to done), and
+    the time some transfer was in flight (union of those intervals: Double-Ring's overlap counted once)."""
+    figures = {}
+    for phase in PASSES:
+        compute = [t1 - t0 for p, t0, t1 in trace.compute if p == phase]
+        spans = sorted((t0, t1) for p, t0, _, t1 in trace.transfers if p == phase)  # in start order
+        union, reach = 0.0, -math.inf
+        for t0, t1 in spans:
+            union += max(0.0, t1 - max(t0, reach))
+            reach = max(reach, t1)
+        figures[phase] = {"compute_steps": compute, "transfers": [t1 - t0 for t0, t1 in spans], "in_flight": union}
+    return figures
 
 
 def _per_step_medians(runs, phase, key):
@@ -181,44 +185,32 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def write_png(path: Path, summary: dict, results: list, title: str) -> str | None:
-    """Time vs algorithm per CP size (forward + backward stacked; C+M and the ideal for rings), and
-    the timeline of one ring call at the smallest CP. Returns why not, if it can't."""
-    try:
-        import matplotlib
+def panels(summary: dict, results: list) -> list:
+    """Time vs algorithm per CP size (forward + backward stacked; C+M and the ideal for rings), and the
+    timeline of one ring call at the smallest CP."""
+    def algorithms(label, case):
+        def draw(ax):
+            names = list(case["variants"])
+            xs = range(len(names))
+            forward = [case["variants"][n]["forward_ms"] for n in names]
+            backward = [case["variants"][n]["backward_ms"] for n in names]
+            ax.bar(xs, forward, color="C0", label="forward")
+            ax.bar(xs, backward, bottom=forward, color="C1", label="backward")
+            for x, name in enumerate(names):
+                ring = case["rings"].get(name)
+                if ring is not None:
+                    ax.plot([x - 0.4, x + 0.4], [ring["fwd_bwd"]["serial_ms"]] * 2, "k--", linewidth=1)
+                    ax.plot([x - 0.4, x + 0.4], [ring["fwd_bwd"]["ideal_ms"]] * 2, "g-", linewidth=2)
+                ax.text(x, forward[x] + backward[x], f"{case['variants'][name]['fwd_bwd_x']:.2f}x", ha="center",
+                        va="bottom", fontsize=8)
+            ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
+            ax.set_ylabel("median ms (fwd + bwd stacked)")
+            ax.set_title(f"{label}: time per algorithm (label: fwd+bwd vs allgather)\n"
+                         "rings: dashed = serial C+M, green = pipelining ideal", fontsize=9)
+            ax.legend(fontsize=8)
+        return draw
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'coc-inject[bench]'): no PNG written"
-    figure, axes = plt.subplots(1, len(summary) + 1, figsize=(6 * (len(summary) + 1), 5),
-                                gridspec_kw={"width_ratios": [1] * len(summary) + [1.6]})
-    for ax, (label, case) in zip(axes, summary.items()):
-        names = list(case["variants"])
-        xs = range(len(names))
-        forward = [case["variants"][n]["forward_ms"] for n in names]
-        backward = [case["variants"][n]["backward_ms"] for n in names]
-        ax.bar(xs, forward, color="C0", label="forward")
-        ax.bar(xs, backward, bottom=forward, color="C1", label="backward")
-        for x, name in enumerate(names):
-            ring = case["rings"].get(name)
-            if ring is not None:
-                both = ring["fwd_bwd"]
-                ax.plot([x - 0.4, x + 0.4], [both["serial_ms"]] * 2, "k--", linewidth=1)
-                ax.plot([x - 0.4, x + 0.4], [both["ideal_ms"]] * 2, "g-", linewidth=2)
-            ax.text(x, forward[x] + backward[x], f"{case['variants'][name]['fwd_bwd_x']:.2f}x", ha="center",
-                    va="bottom", fontsize=8)
-        ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
-        ax.set_ylabel("median ms (fwd + bwd stacked)")
-        ax.set_title(f"{label}: time per algorithm (label: fwd+bwd vs allgather)\n"
-                     "rings: dashed = serial C+M, green = pipelining ideal", fontsize=9)
-        ax.legend(fontsize=8)
-    _timeline(axes[-1], results[0])
-    figure.suptitle(title.replace("; seq", ";\nseq", 1), fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return None
+    return [*(algorithms(label, case) for label, case in summary.items()), lambda ax: _timeline(ax, results[0])]
 
 
 def _timeline(ax, result: dict) -> None:

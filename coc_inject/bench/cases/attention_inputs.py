@@ -1,7 +1,7 @@
 """What one benchmarked attention call takes: each variant's schedule over the local ranks, the
 inputs (whole sequence and this rank's rows in Megatron's CP layout), the block kernels, and the
-yardstick -- ``scaled_dot_product_attention`` on the whole sequence in one process. Used by
-``coc-inject bench --cases attention`` and ``make bench-flash``."""
+yardstick -- ``scaled_dot_product_attention`` on the whole sequence in one process. Used by the
+attention and flash cases."""
 
 from __future__ import annotations
 

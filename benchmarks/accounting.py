@@ -7,7 +7,7 @@ Two measurements, each the median over interleaved repetitions:
             Megatron's own path, which is counted too) through the patched forward, with the
             engine's coverage on and off.
 
-    python -m coc_inject.bench.accounting [--reps N] [--calls N] [--json PATH]
+    python benchmarks/accounting.py [--reps N] [--calls N] [--json PATH]
     (also: make bench-accounting)
 """
 
@@ -18,8 +18,10 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
-from coc_inject.bench.ranks import free_port
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's coc_inject
+from coc_inject.bench.ranks import free_port  # noqa: E402
 
 TARGET_US = 1.0
 

@@ -1,0 +1,177 @@
+"""``coc-inject bench --cases moe``: one MoE layer forward + backward at expert parallelism EP
+(alltoall dispatcher, SequentialMLP experts, top-k): Megatron's dispatcher, the pieces at 1, 2 and 4
+chunks per local expert, auto, and the compute-only twin (the tokens' all-to-alls no-ops) -- C, M, the limit max(C, M), each variant's
+share of it and of M hidden (coc_inject.bench.report), auto against the best fixed count. On CPU
+ranks, Megatron's MoE code needs the CPU shims of :func:`cpu_moe_shims` (never applied in a user's job).
+
+    coc-inject bench --cases moe [--link 1gbit] [--ep 2] [--local-experts 1 2 4] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from coc_inject.bench import engine, ranks, report
+
+CHUNKS = (1, 2, 4)
+
+
+def cpu_moe_shims() -> None:
+    """Megatron's alltoall dispatcher on CPU ranks: its side stream for the split counts' device-to-
+    host copies made inert, and the split sizes (tensors there, without the copy) handed to gloo as lists."""
+    import torch
+    import torch.distributed as dist
+
+    class _Event:
+        def synchronize(self):
+            pass
+
+    class _Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record_event(self, *args, **kwargs):
+            return _Event()
+
+        def wait_stream(self, *args, **kwargs):
+            pass
+
+    torch.cuda.Stream = _Stream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    if getattr(dist.all_to_all_single, "_splits_as_lists", False):
+        return
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
+        return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
+
+    all_to_all_single._splits_as_lists = True
+    dist.all_to_all_single = all_to_all_single
+
+
+def variants() -> tuple:
+    return ("megatron", *(f"pieces c={c}" for c in CHUNKS), "auto", report.COMPUTE_ONLY)
+
+
+def _layer(args, local_experts: int, ep: int):
+    import torch
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=args.moe_hidden, num_attention_heads=8, ffn_hidden_size=args.moe_ffn,
+        num_moe_experts=local_experts * ep, moe_router_topk=args.moe_topk, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep, moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=torch.float32,
+        moe_router_pre_softmax=args.moe_topk == 1)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    return spec(config=config) if callable(spec) else build_module(spec, config=config)
+
+
+def rank_work(args, device) -> list | None:
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_layer
+
+    from coc_inject import job
+    from coc_inject.config import CocConfig
+    from coc_inject.moe import install
+
+    if device.type == "cpu":
+        cpu_moe_shims()
+    ep = dist.get_world_size()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    timer, results = engine.Timer(device), []
+    with tempfile.TemporaryDirectory() as scratch:
+        for local in args.local_experts:
+            torch.manual_seed(1234 + dist.get_rank())
+            layer = _layer(args, local, ep).to(device)
+            x = torch.randn(args.moe_tokens, 1, args.moe_hidden, device=device)
+            auto_choice = [None]
+
+            def step():
+                out, _ = layer(x.clone().requires_grad_(True))
+                out.backward(torch.ones_like(out))
+
+            def variant(name):
+                @contextlib.contextmanager
+                def installed():
+                    job.uninstall()
+                    if name.startswith("pieces") or name == "auto":
+                        config = CocConfig(moe_overlap="auto" if name == "auto" else "1",
+                                           tune_cache=f"{scratch}/tune-{local}.json")
+                        install.install(config, moe_layer, None if name == "auto" else int(name.split("=")[1]))
+                    try:  # C: the tokens' all-to-alls only; the dispatcher's small count gathers must still run
+                        with (engine.no_collectives(("all_to_all_single",)) if name == report.COMPUTE_ONLY
+                              else contextlib.nullcontext()):
+                            yield
+                    finally:
+                        if name == "auto":
+                            auto_choice[0] = next(iter(job.current().decisions(install.MOE).values()), None)
+                        job.uninstall()
+                return installed
+
+            # the warm-up makes auto's trials, decided once, kept by the cache
+            runs = {name: engine.fwd_bwd(timer, step, variant(name)) for name in variants()}
+            times, _ = engine.measure(runs, args.reps, tag="coc-inject bench moe", label=f"{local} local: ")
+            decision = auto_choice[0]
+            results.append(summarize(local, ep, args.moe_topk, {n: report.totals(t) for n, t in times.items()},
+                                     None if decision is None else decision.choice))
+    if dist.get_rank() != 0:
+        return None
+    sys.stderr.write("\n")
+    return results
+
+
+def summarize(local: int, ep: int, topk: int, samples: dict, auto_chunks) -> dict:
+    """The report's overlap figures of one case, and auto against the best fixed count."""
+    case = report.overlap(samples)
+    rows = case["rows"]
+    best = max((n for n in rows if n.startswith("pieces")), key=lambda n: rows[n]["vs_megatron"])
+    return {"label": f"EP{ep}, {local} local expert{'s' if local > 1 else ''}, top-{topk}", "local_experts": local,
+            **case, "best_fixed": best, "auto_chunks": auto_chunks,
+            "auto_vs_best": rows["auto"]["ms"] and rows[best]["ms"] / rows["auto"]["ms"]}
+
+
+def format_table(results: list) -> str:
+    def auto(case):
+        chose = "Megatron's dispatcher" if case["auto_chunks"] in (None, 0, "megatron") else f"c={case['auto_chunks']}"
+        return f"; auto chose {chose} ({case['auto_vs_best']:.3f}x the best fixed, {case['best_fixed']})"
+    return "\n".join(report.format_overlap(case, case["label"], auto(case)) for case in results)
+
+
+def add_options(parser) -> None:
+    group = parser.add_argument_group("MoE case (--cases moe)")
+    group.add_argument("--ep", type=int, default=2, help="expert-parallel size, one local rank each (default 2)")
+    group.add_argument("--local-experts", nargs="+", type=int, default=[1, 2, 4],
+                       help="local experts per rank, one case each (default 1 2 4)")
+    group.add_argument("--moe-tokens", type=int, default=4096, help="tokens per rank into the layer")
+    group.add_argument("--moe-hidden", type=int, default=1024)
+    group.add_argument("--moe-ffn", type=int, default=768, help="expert FFN size (default 768: the experts' compute "
+                       "and their all-to-alls of the same order over the emulated 1 gbit link, one thread per rank)")
+    group.add_argument("--moe-topk", type=int, default=2)
+
+
+def bench(args) -> int:
+    """Prints the table, writes ``moe.json`` and ``moe.png`` into --out."""
+    setup = ranks.Setup(world=args.ep, link=args.link, threads=args.threads, megatron=False,
+                        command="coc-inject bench --cases moe")
+    results = ranks.run(setup, rank_work, args)
+    if results is None:
+        return 0  # not rank 0 of a torchrun job
+    title = (f"one MoE layer forward + backward, {args.moe_tokens} tokens per rank, hidden {args.moe_hidden}, "
+             f"ffn {args.moe_ffn}, top-{args.moe_topk}; {ranks.describe_where(setup)}; {args.reps} interleaved "
+             "repetitions")
+    print(title)
+    print(format_table(results))
+    report.write(args.out, "moe", {"title": title, "argv": sys.argv, "cases": results},
+                 [report.overlap_panel(case, case["label"]) for case in results], title)
+    return 0

@@ -1,0 +1,132 @@
+"""The one runner of every bench case, inside each rank (spawned by coc_inject.bench.ranks).
+
+A case hands :func:`measure` its variants as data: ``{name: run}``, Megatron as it is first, where
+``run()`` makes one call of the variant and returns its pass times ``{"forward": s, "backward": s}``
+(or ``{"fwd_bwd": s}``), or ``(pass times, anything to keep per timed repetition)``. What a variant
+installs around its call (patches, the no-op collectives of :func:`no_collectives` for the
+compute-only twin) is the case's run, not the runner's. The runner warms every variant up, then
+interleaves them over the repetitions in a rotating order (tuning.online.schedule: drift in the
+machine's speed spreads over every variant) and takes the MAX over ranks once at the end: a step
+is as slow as its slowest rank. Figures are made by coc_inject.bench.report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+from coc_inject.tuning.online import schedule
+
+
+class Timer:
+    """Wall time of a call on every rank, after a barrier (ranks start together), device-synchronised
+    (CUDA/NPU events where present). ``timer(fn)`` -> (fn's result, seconds)."""
+
+    def __init__(self, device: torch.device):
+        module = getattr(torch, device.type, None)
+        self.events = module if device.type in ("cuda", "npu") and hasattr(module, "Event") else None
+
+    def __call__(self, fn):
+        dist.barrier()
+        if self.events is None:
+            begin = time.perf_counter()
+            result = fn()
+            return result, time.perf_counter() - begin
+        start, end = self.events.Event(enable_timing=True), self.events.Event(enable_timing=True)
+        start.record()
+        result = fn()
+        end.record()
+        end.synchronize()
+        return result, start.elapsed_time(end) / 1e3
+
+
+def progress(tag: str, message: str) -> None:
+    """One overwritten stderr line on rank 0 (``tag``: which bench)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        sys.stderr.write(f"\r[{tag}] {message:<72}")
+        sys.stderr.flush()
+
+
+def measure(runs: dict, reps: int, *, warm_ups: int = 1, tag: str = "coc-inject bench", label: str = "") -> tuple:
+    """Every run ``warm_ups`` times, then ``reps`` rotating rounds. Returns (times, kept): times
+    ``{name: {pass: [seconds per repetition]}}``, the MAX over ranks (the same on every rank); kept
+    ``{name: [what the run kept, per timed repetition]}`` (this rank's)."""
+    names = list(runs)
+    warm, timed = schedule(names, rounds=reps, warm_ups=warm_ups)
+    for name in warm:
+        progress(tag, f"{label}warm-up {name}")
+        runs[name]()
+    times, kept = {name: {} for name in names}, {name: [] for name in names}
+    for index, name in enumerate(timed):
+        progress(tag, f"{label}repetition {index // len(names) + 1}/{reps}")
+        sample = runs[name]()
+        seconds, extra = sample if isinstance(sample, tuple) else (sample, None)
+        for phase, value in seconds.items():
+            times[name].setdefault(phase, []).append(value)
+        if extra is not None:
+            kept[name].append(extra)
+    return slowest_rank(times), kept
+
+
+def slowest_rank(times: dict) -> dict:
+    """``{name: {pass: [seconds]}}`` with each figure the MAX over ranks (one all-reduce; in a single
+    process, as it is)."""
+    flat = [value for passes in times.values() for samples in passes.values() for value in samples]
+    if not flat or not dist.is_initialized():
+        return times
+    slowest = torch.tensor(flat, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    values = iter(slowest.tolist())
+    return {name: {phase: [next(values) for _ in samples] for phase, samples in passes.items()}
+            for name, passes in times.items()}
+
+
+def fwd_bwd(timer: Timer, step, enter=None):
+    """A run: ``step()`` (forward and backward) timed as one pass, inside ``enter()`` if given."""
+    def run():
+        with (enter or nullcontext)():
+            return {"fwd_bwd": timer(step)[1]}
+    return run
+
+
+class _Done:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+@contextmanager
+def no_collectives(only=None):
+    """The compute-only twin: every collective (torch's and Megatron's aliases of them; or those named
+    in ``only``) a no-op that zero-fills its output -- the same layer on an infinitely fast network."""
+    from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
+
+    def output_zeroed(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
+        output = args[0] if args else next(iter(kwargs.values()))
+        for tensor in output if isinstance(output, list) else [output]:
+            tensor.zero_()
+        return _Done() if async_op else None
+
+    def in_place(*args, async_op=False, **kwargs):  # all_reduce: the tensor already holds a result
+        return _Done() if async_op else None
+
+    names = ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
+             "all_gather", "all_to_all_single")
+    saved = [(dist, "all_reduce", dist.all_reduce)] + [(dist, name, getattr(dist, name)) for name in names]
+    saved += [(module, alias, getattr(module, alias)) for module in map(importlib.import_module, MEGATRON_ALIASES)
+              for alias in MEGATRON_ALIASES[module.__name__]]
+    saved = [entry for entry in saved if only is None or entry[1] in only]
+    for owner, name, _ in saved:
+        setattr(owner, name, in_place if name == "all_reduce" else output_zeroed)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
