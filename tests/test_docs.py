@@ -1,0 +1,73 @@
+"""The front door stays true: docs/settings.md is `coc-inject reference`'s output, and every file,
+link, `make` target and `coc-inject` command that README.md and docs/ name exists."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+GENERATED_FROM = "| variable |"  # docs/settings.md: from this line to the end, the command's output
+
+
+def test_settings_page_is_the_reference_command_output():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in [name for name in env if name.startswith(("COC_", "USE_COC_"))]:
+        del env[name]
+    output = subprocess.run([sys.executable, "-m", "coc_inject", "reference"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, check=True).stdout
+    page = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert page.count("\n" + GENERATED_FROM) == 1, "docs/settings.md: one generated block"
+    generated = page[page.index("\n" + GENERATED_FROM) + 1:]
+    assert generated == output, (
+        "docs/settings.md is stale; regenerate it: "
+        "sed -i '/^| variable |/,$d' docs/settings.md && python -m coc_inject reference >> docs/settings.md")
+
+
+def test_relative_links_resolve():
+    missing = []
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                missing.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not missing, missing
+
+
+def make_targets():
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    return set(re.findall(r"^([a-z][a-z0-9-]*):", text, re.M))
+
+
+def test_make_targets_named_exist():
+    targets = make_targets()
+    named = {(page.name, target) for page in PAGES
+             for target in re.findall(r"`make ([a-z][a-z0-9-]*)", page.read_text(encoding="utf-8"))}
+    assert named and not {pair for pair in named if pair[1] not in targets}
+
+
+def test_coc_inject_commands_named_exist():
+    from coc_inject.cli import build_parser
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if action.dest == "command_name").choices
+    named = {(page.name, word) for page in PAGES
+             for word in re.findall(r"`coc-inject ([a-z]+)", page.read_text(encoding="utf-8"))}
+    assert named and not {pair for pair in named if pair[1] not in commands}
+
+
+def test_repository_paths_named_exist():
+    # Back-quoted paths under the project's own top directories (README and docs/).
+    tops = ("coc_inject/", "tests/", "examples/", "benchmarks/", "env/", "sitecustomize/", "docs/", ".ci/")
+    elsewhere = {"coc_inject/_site",  # sitecustomize/ as the installed package names it (pyproject.toml)
+                 "docs/features/communication-over-computation.md"}  # MindSpeed's, cited by fused-backends.md
+    missing = []
+    for page in PAGES:
+        for path in re.findall(r"`([A-Za-z_./-]+)`", page.read_text(encoding="utf-8")):
+            if path.startswith(tops) and path not in elsewhere and not (ROOT / path.rstrip("/")).exists():
+                missing.append(f"{page.relative_to(ROOT)}: {path}")
+    assert not missing, missing
