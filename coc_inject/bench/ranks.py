@@ -37,6 +37,7 @@ class Setup:
     threads: int = 1
     tp: int | None = None
     cp: int = 1
+    ep: int = 1
     megatron: bool = True
     command: str = "coc-inject bench"
 
@@ -131,11 +132,12 @@ def torchrun_device(npu_variable: str):
 
 
 def initialize_megatron(setup: Setup, world: int) -> None:
-    """Megatron's parallel state: TP = ``setup.tp`` (default: the whole world), CP = ``setup.cp``."""
+    """Megatron's parallel state: TP = ``setup.tp`` (default: the whole world), CP = ``setup.cp``,
+    EP = ``setup.ep``."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=setup.tp or world,
-                                             context_parallel_size=setup.cp)
+                                             context_parallel_size=setup.cp, expert_model_parallel_size=setup.ep)
 
 
 def _cpu_current_device() -> None:

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-MEGATRON = 0  # the baseline candidate: Megatron's dispatcher
+MEGATRON = "megatron"  # the baseline candidate: Megatron's dispatcher (a name: the cache keeps counts >= 1)
 CHUNKS = (1, 2, 4)  # chunks per local expert tried beside it
 
 

@@ -41,7 +41,7 @@ def chunks_per_expert(local_experts: int) -> int:
 class _Call:
     """A layer call running as pieces: what the dispatcher's deferred stages hand the experts."""
 
-    chunks: int  # per local expert; auto.MEGATRON once auto decided Megatron's dispatcher
+    chunks: int | str  # per local expert; auto.MEGATRON once auto decided Megatron's dispatcher
     dispatcher: object
     key: object = None  # auto's MoEKey
     tokens_per_expert: object = None

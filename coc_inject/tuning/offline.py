@@ -4,6 +4,7 @@
     coc-inject tune --shape row-sp:4096,2048,4096 --shape column-sp:4096,4096,5504 --tp 2
     coc-inject tune --hidden 4096 --ffn 11008 --seq 32768 --micro-batch 1 --heads 32 --tp 2 --cp 2
     coc-inject tune --shape attention:32768,1,32,8,128 --cp 4       # the core attention alone, TP 1
+    coc-inject tune --shape moe:4096,4096,1408,64,8 --ep 8           # an MoE layer (COC_MOE_OVERLAP=auto), TP 1
     torchrun --nproc-per-node 8 -m coc_inject tune --tp 8 ...      # on the job's devices
     torchrun --nproc-per-node 8 -m coc_inject tune --tp 4 --cp 2 ...
 
@@ -18,7 +19,8 @@ equivalent ``COC_CUSTOMIZED`` for jobs that do not use ``auto``.
 With ``--cp`` >= 2 the attention shapes (``--shape attention:...``, or the model dimensions with
 ``--heads``) are decided too, through Megatron's local attention with ``COC_CP_ALGO=auto``
 (coc_inject.tuning.offline_attention); Megatron's parallel state gets the job's TP and CP sizes
-(under torchrun give ``--tp`` with ``--cp``: the rest of the job may be data-parallel).
+(under torchrun give ``--tp`` with ``--cp``: the rest of the job may be data-parallel). MoE layer shapes
+(``--shape moe:...`` with ``--ep``) tune in a run of their own (coc_inject.tuning.offline_moe).
 
 Where it runs is ``coc-inject bench``'s choice: local CPU ranks over gloo (``--world``, default
 ``--tp`` x ``--cp``), or, under torchrun, every rank of the job on its device (``COC_BENCH_DEVICE=npu`` on
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 
 from coc_inject import log, patching
 from coc_inject.bench import ranks
-from coc_inject.tuning import offline_attention as tune_attention, offline_report as tune_report
+from coc_inject.tuning import offline_attention as tune_attention, offline_moe, offline_report as tune_report
 from coc_inject.bench.ranks import Setup
 from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
 from coc_inject.routes import CASE_NAMES, LayerCase
@@ -48,7 +50,7 @@ SHAPE_ALLOWED = (f"CASE:M,K,N with CASE one of {', '.join(CASES)} and M, K, N in
 MODEL_OPTIONS = ("hidden", "ffn", "seq", "micro_batch")
 # Variables whose settings tune replaces (auto everywhere, trials on, no report).
 SET_BY_TUNE = ("COC_DISABLE", "COC_PARALLEL_NUM", "COC_CP_ALGO", "USE_COC_FUSED_KERNEL", "COC_CUSTOMIZED",
-               "COC_DETERMINISTIC", "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_REPORT")
+               "COC_DETERMINISTIC", "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_REPORT", "COC_MOE_OVERLAP")
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,13 @@ def parse_shape(text: str):
     numbers = [int(w) for w in words if w.strip().isascii() and w.strip().isdigit() and int(w) >= 1]
     if case == "attention" and len(numbers) == len(words) == 5:
         return tune_attention.AttentionTarget("--shape", *numbers)
+    if case == "moe" and len(numbers) == len(words) == 5:
+        return offline_moe.MoETarget("--shape", *numbers)
     if case in CASES and len(numbers) == len(words) == 3:
         return Target("--shape", case, *numbers)
-    allowed = (tune_attention.SHAPE_ALLOWED if case == "attention" else
-               SHAPE_ALLOWED if case in CASES else f"{SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}")
+    allowed = (tune_attention.SHAPE_ALLOWED if case == "attention" else offline_moe.SHAPE_ALLOWED if case == "moe" else
+               SHAPE_ALLOWED if case in CASES else
+               f"{SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}; or {offline_moe.SHAPE_ALLOWED}")
     raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {allowed}")  # argparse names --shape
 
 
@@ -97,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     shapes = parser.add_argument_group("explicit shapes")
     shapes.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="CASE:M,K,N",
-                        help=f"repeatable; {SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}")
+                        help=f"repeatable; {SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}; or "
+                             f"{offline_moe.SHAPE_ALLOWED}")
     model = parser.add_argument_group("model dimensions (GPT layer: linear_qkv, linear_proj, linear_fc1, "
                                       "linear_fc2)")
     model.add_argument("--hidden", type=positive, help="hidden size")
@@ -121,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "under torchrun the whole job, and required with --cp)")
     where.add_argument("--cp", type=positive, default=1, help="context-parallel size (default 1); >= 2 also tunes "
                        "the attention shapes (COC_CP_ALGO=auto)")
+    where.add_argument("--ep", type=positive, help="expert-parallel size of the moe: shapes (default 2; TP 1, "
+                       "an MoE tune runs on its own)")
     where.add_argument("--attention-mask", choices=["causal", "none"], default="causal",
                        help="the attention layers' mask type (default causal, as a GPT's)")
     where.add_argument("--world", type=positive, help="local ranks to start (default --tp x --cp); a multiple of it. "
@@ -205,10 +213,15 @@ class Plan:
     world: int
     dtype: str = "float32"
     forward_only_too: bool = False  # --recompute-activations: the attention's forward-only keys as well
+    moe: tuple = ()  # offline_moe.MoETargets (a run of their own)
+    ep: int = 1
 
 
 def resolve(args, parser, environ) -> Plan:
     """The Plan of the arguments, or a parser error."""
+    moe = tuple(t for t in args.shape if isinstance(t, offline_moe.MoETarget))
+    if moe or args.ep is not None:
+        return resolve_moe(args, parser, environ, moe)
     under_torchrun = "RANK" in environ
     if under_torchrun and args.world is not None:
         parser.error(f"--world={args.world} is for local ranks: under torchrun the job's WORLD_SIZE "
@@ -257,17 +270,11 @@ def resolve(args, parser, environ) -> Plan:
     if not targets and not attention:
         parser.error("nothing to tune: give --shape CASE:M,K,N (repeatable) and/or the model dimensions "
                      f"{', '.join(map(_option, MODEL_OPTIONS))}")
+    # COC_CP_WINDOW etc. refine an algorithm that is set
+    base, cache = job_settings(args, parser, environ, {"COC_CP_ALGO": "auto"})
     try:
-        # The job's other COC_* settings (COC_RECOMPUTE_ALL_GATHER, COC_CP_WINDOW, COC_CONFIG, ...)
-        # shape the trials as they shape its calls; those tune sets itself are not read.
-        base = load_config({**{name: value for name, value in environ.items() if name not in SET_BY_TUNE},
-                            "COC_CP_ALGO": "auto"})  # COC_CP_WINDOW etc. refine an algorithm that is set
         candidates = (parse_tune_candidates("--candidates", args.candidates) if args.candidates is not None
                       else base.tune_candidates)
-        cache = base.tune_cache
-        if args.cache is not None:
-            text = args.cache if args.cache.strip().lower() == "off" else os.path.abspath(args.cache)
-            cache = parse_tune_cache("--cache", text)
     except ConfigError as error:
         parser.error(str(error))
     if attention and base.cp_mask_type == "causal" and args.attention_mask == "none":
@@ -276,6 +283,44 @@ def resolve(args, parser, environ) -> Plan:
                                  deterministic=False, enable_coc_in_column_backward=True, tune_cache=cache,
                                  tune_candidates=candidates, report=None)
     return Plan(targets, attention, notes, config, tp, cp, world, args.dtype, args.recompute_activations)
+
+
+def job_settings(args, parser, environ, extra: dict | None = None) -> tuple:
+    """(the job's CocConfig, the tune cache to write). The job's other COC_* settings
+    (COC_RECOMPUTE_ALL_GATHER, COC_CP_WINDOW, COC_CONFIG, ...) shape the trials as they shape its
+    calls; those tune sets itself are not read."""
+    try:
+        base = load_config({**{name: value for name, value in environ.items() if name not in SET_BY_TUNE},
+                            **(extra or {})})
+        cache = base.tune_cache
+        if args.cache is not None:
+            text = args.cache if args.cache.strip().lower() == "off" else os.path.abspath(args.cache)
+            cache = parse_tune_cache("--cache", text)
+    except ConfigError as error:
+        parser.error(str(error))
+    return base, cache
+
+
+def resolve_moe(args, parser, environ, moe: tuple) -> Plan:
+    """The Plan of an MoE tune: only moe: shapes, EP ``--ep`` (default 2), TP 1."""
+    if not moe:
+        parser.error(f"--ep={args.ep} is for --shape moe:... shapes (none given)")
+    others = [t.text() if hasattr(t, "text") else f"{t.case}:{t.m},{t.k},{t.n}" for t in args.shape if t not in moe]
+    if others or any(getattr(args, name) is not None for name in MODEL_OPTIONS) or args.cp > 1:
+        parser.error(f"--shape moe:... tunes in a run of its own (expert parallelism, TP 1): tune "
+                     f"{', '.join(others) or 'the model dimensions / --cp'} in another run")
+    ep = args.ep or 2
+    if ep < 2:
+        parser.error(f"--ep={ep} is invalid: expected an integer >= 2 (EP 1 has no all-to-all to overlap)")
+    world = int(environ["WORLD_SIZE"]) if "RANK" in environ else args.world or ep
+    if world % ep:
+        parser.error(f"the world size {world} is invalid with --ep={ep}: expected a multiple of it")
+    for target in moe:
+        offline_moe.check_shape(target, ep, parser.error)
+    base, cache = job_settings(args, parser, environ)
+    config = dataclasses.replace(base, moe_overlap="auto", disabled=False, deterministic=False, tune_cache=cache,
+                                 report=None)
+    return Plan([], [], [], config, 1, 1, world, args.dtype, moe=moe, ep=ep)
 
 
 def tune_rank(plan: Plan, device) -> dict | None:
@@ -289,7 +334,8 @@ def tune_rank(plan: Plan, device) -> dict | None:
     measured = {"linears": _tune_linears(plan, dtype, device) if plan.targets else None,
                 "attention": (tune_attention.tune_rank(plan.attention, plan.config, dtype, device, plan.tp, plan.cp,
                                                        plan.forward_only_too)
-                              if plan.attention else None)}
+                              if plan.attention else None),
+                "moe": offline_moe.tune_rank(plan.moe, plan.config, dtype, device, plan.ep) if plan.moe else None}
     return measured if dist.get_rank() == 0 else None
 
 
@@ -323,7 +369,8 @@ def main(argv=None) -> int:
     plan = resolve(args, parser, os.environ)
     # Megatron's parallel state gets the job's TP and CP sizes. No link: the cache identity is the
     # host's, and an emulated link would be cached as plain loopback.
-    setup = Setup(world=plan.world, threads=args.threads, tp=plan.tp, cp=plan.cp, command="coc-inject tune")
+    setup = Setup(world=plan.world, threads=args.threads, tp=plan.tp, cp=plan.cp, ep=plan.ep,
+                  command="coc-inject tune")
     measured = ranks.run(setup, tune_rank, plan)
     if measured is None:
         return 0  # not rank 0 of a torchrun job

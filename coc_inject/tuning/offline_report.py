@@ -9,13 +9,13 @@ import json
 import os
 import shlex
 
-from coc_inject.tuning import offline_attention as tune_attention
+from coc_inject.tuning import offline_attention as tune_attention, offline_moe
 from coc_inject.config import _shape_text
 from coc_inject.tuning.cache import TuneCache
 
 
 def describe_where(plan, threads: int) -> str:
-    sizes = f"TP {plan.tp}" + (f", CP {plan.cp}" if plan.cp > 1 else "")
+    sizes = f"TP {plan.tp}" + (f", CP {plan.cp}" if plan.cp > 1 else "") + (f", EP {plan.ep}" if plan.ep > 1 else "")
     if "RANK" in os.environ:
         return f"torchrun, {os.environ.get('WORLD_SIZE')} ranks, {sizes}"
     return f"{plan.world} local CPU ranks (gloo), {sizes}, {threads} thread(s)/rank"
@@ -110,6 +110,8 @@ def result(plan, measured: dict, where: str) -> dict:
     return {"where": where, "dtype": plan.dtype,
             "linears": linears_result(plan, measured["linears"]) if measured["linears"] is not None else None,
             "attention": attention_result(plan, measured["attention"]) if measured["attention"] is not None else None,
+            "moe": (offline_moe.result(plan, measured["moe"], _entries(plan.config.tune_cache))
+                    if measured.get("moe") is not None else None),
             "notes": list(plan.notes)}
 
 
@@ -146,5 +148,13 @@ def text(report: dict) -> str:
                          + (" (its tune cache holds these decisions)" if attention["cache"] is not None else ""))
         else:
             lines += ["the same choice for a job without auto:", *attention["shell"]]
+    moe = report.get("moe")
+    if moe is not None:
+        lines += [f"coc-inject tune, MoE (COC_MOE_OVERLAP=auto): {where}, {dtype}; candidates Megatron's dispatcher "
+                  "(the baseline), 1, 2, 4 chunks per local expert; ms: fwd+bwd median of the trials, max over the EP "
+                  "group (source cache: the times cached with the decision)",
+                  offline_moe.format_table(moe["rows"]),
+                  *(f"warning: {warning}" for warning in moe["warnings"]),
+                  _cache_line(moe, "COC_MOE_OVERLAP=auto")]
     lines += [f"note: {note}" for note in report["notes"]]
     return "\n".join(lines)

@@ -56,18 +56,20 @@ def variants() -> tuple:
     return ("megatron", *(f"pieces c={c}" for c in CHUNKS), "auto", report.COMPUTE_ONLY)
 
 
-def _layer(args, local_experts: int, ep: int):
+def build_moe_layer(hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype=None):
+    """A megatron-core MoE layer (local spec: alltoall dispatcher, SequentialMLP experts)."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dtype = dtype or torch.float32
     config = TransformerConfig(
-        num_layers=1, hidden_size=args.moe_hidden, num_attention_heads=8, ffn_hidden_size=args.moe_ffn,
-        num_moe_experts=local_experts * ep, moe_router_topk=args.moe_topk, moe_token_dispatcher_type="alltoall",
+        num_layers=1, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=ffn,
+        num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=ep, moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=torch.float32,
-        moe_router_pre_softmax=args.moe_topk == 1)
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe_router_pre_softmax=topk == 1)
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
     return spec(config=config) if callable(spec) else build_module(spec, config=config)
 
@@ -93,7 +95,7 @@ def rank_work(args, device) -> list | None:
     with tempfile.TemporaryDirectory() as scratch:
         for local in args.local_experts:
             torch.manual_seed(1234 + dist.get_rank())
-            layer = _layer(args, local, ep).to(device)
+            layer = build_moe_layer(args.moe_hidden, args.moe_ffn, local * ep, args.moe_topk, ep).to(device)
             x = torch.randn(args.moe_tokens, 1, args.moe_hidden, device=device)
             auto_choice = [None]
 
@@ -143,7 +145,7 @@ def summarize(local: int, ep: int, topk: int, samples: dict, auto_chunks) -> dic
 
 def format_table(results: list) -> str:
     def auto(case):
-        chose = "Megatron's dispatcher" if case["auto_chunks"] in (None, 0, "megatron") else f"c={case['auto_chunks']}"
+        chose = "Megatron's dispatcher" if case["auto_chunks"] in (None, "megatron") else f"c={case['auto_chunks']}"
         return f"; auto chose {chose} ({case['auto_vs_best']:.3f}x the best fixed, {case['best_fixed']})"
     return "\n".join(report.format_overlap(case, case["label"], auto(case)) for case in results)
 
