@@ -159,7 +159,7 @@ def moe_status(config) -> str:
     if config is None or not config.moe_armed:
         return "off (COC_MOE_OVERLAP=0)"
     how = "or Megatron's dispatcher, as each layer shape's trials find fastest (auto)" if config.moe_overlap == "auto" \
-        else "at least 4 per layer (COC_MOE_OVERLAP=1)"
+        else "at least 8 per layer (COC_MOE_OVERLAP=1)"
     return (f"the alltoall dispatcher's all-to-alls in pieces per local expert, pipelined against the experts, "
             f"{how}; Megatron's dispatcher for: {', '.join(WITHOUT_PIECES)}")
 

@@ -41,7 +41,7 @@ def test_a_small_run_writes_every_variant_and_auto_decides(tmp_path):
     result = json.loads((out / "moe.json").read_text())
     assert [case["local_experts"] for case in result["cases"]] == [1, 2]
     for case in result["cases"]:
-        assert list(case["rows"]) == ["megatron", "pieces c=1", "pieces c=2", "pieces c=4", "auto"]
-        assert case["auto_chunks"] in ("megatron", 1, 2, 4)
+        assert list(case["rows"]) == ["megatron", "pieces c=1", "pieces c=2", "pieces c=4", "pieces c=8", "auto"]
+        assert case["auto_chunks"] in ("megatron", 1, 2, 4, 8)
         assert all(row["ms"] > 0 for row in case["rows"].values())
     assert "EP2, 2 local experts, top-2" in proc.stdout

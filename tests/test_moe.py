@@ -20,10 +20,11 @@ def check_exact(results, chunks):
     for rank, r in enumerate(results):
         assert r["route"] == ("pieces", chunks), (rank, r["route"])
         assert r["same_params"]
-        assert r["out"] == 0.0 and r["x_grad"] == 0.0, (rank, r["out"], r["x_grad"])  # the same rows, the same GEMMs
-        # one chunk per expert: the same GEMMs; row chunks: the weight gradient summed in pieces
-        limit = 0.0 if chunks == 1 else 1e-6 * max(1.0, r["param_grad_scale"])
-        assert r["param_grad"] <= limit, (rank, r["param_grad"], r["param_grad_scale"])
+        # One chunk per expert: the same rows through the same GEMMs, bitwise. Row chunks: a GEMM over fewer
+        # rows may block its sums differently, and the weight gradient is summed chunk by chunk.
+        exact = chunks == 1
+        for what, scale in (("out", r["out_scale"]), ("x_grad", r["out_scale"]), ("param_grad", r["param_grad_scale"])):
+            assert r[what] <= (0.0 if exact else 1e-6 * max(1.0, scale)), (rank, what, r[what], scale)
 
 
 def check_order(results, pieces):
@@ -50,7 +51,7 @@ def run(pool, ranks=4, **case):
                               "ep2-4local-top1"])
 def test_pieces_equal_megatron(pool, ep, experts, topk):
     local = experts // ep
-    chunks = max(1, -(-4 // local))
+    chunks = max(1, -(-8 // local))
     results = run(pool, ep=ep, experts=experts, topk=topk)
     check_exact(results, chunks)
     check_order(results, local * chunks)
@@ -58,17 +59,17 @@ def test_pieces_equal_megatron(pool, ep, experts, topk):
 
 def test_an_expert_no_rank_sends_to_and_one_only_one_rank_sends_to(pool):
     nobody = run(pool, ep=2, experts=4, kind="positive", shun=1)
-    check_exact(nobody, 2)
+    check_exact(nobody, 4)
     assert all(r["received"][s][1] == 0 for r in nobody[:1] for s in range(2)), nobody[0]["received"]
     one_rank = run(pool, ep=2, experts=4, kind="positive on rank 0", shun=1)
-    check_exact(one_rank, 2)
+    check_exact(one_rank, 4)
     received = one_rank[0]["received"]  # rank 0 holds experts 0 and 1: rank 0 sends expert 1 nothing
     assert received[0][1] == 0 and received[1][1] > 0, received
 
 
 def test_capacity_factor_drops_the_same_tokens(pool):
     results = run(pool, ep=2, experts=4, moe_expert_capacity_factor=0.5, moe_token_drop_policy="probs")
-    check_exact(results, 2)
+    check_exact(results, 4)
 
 
 def test_auto_decides_once_the_same_on_every_rank_of_a_group_and_stays_exact(pool):
@@ -77,12 +78,12 @@ def test_auto_decides_once_the_same_on_every_rank_of_a_group_and_stays_exact(poo
         decisions = [results[rank]["decisions"] for rank in group]
         assert len(decisions[0]) == 1 and decisions[0][0][2] == "trials" and decisions[1] == decisions[0]
         choice = decisions[0][0][1]
-        assert choice in ("megatron", 1, 2, 4)
+        assert choice in ("megatron", 1, 2, 4, 8)
         if choice != "megatron":
             check_exact([results[rank] for rank in group], choice)
         else:
             assert all(results[rank]["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for rank in group)
-        assert all(results[rank]["out"] == 0.0 and results[rank]["x_grad"] == 0.0 for rank in group)
+            assert all(results[rank]["out"] == 0.0 and results[rank]["x_grad"] == 0.0 for rank in group)
 
 
 def test_auto_gives_the_layer_back_to_megatron_when_one_ranks_pieces_are_slow(pool):
@@ -122,7 +123,7 @@ def train(pool, coc, **model):
 ], ids=["ep2", "ep4", "ep2-tp2-sp", "ep2-etp2-sp", "recompute", "shared-expert", "aux-loss", "biases"])
 def test_gpt_trains_as_megatron(pool, model):
     got = train(pool, {"moe_overlap": "1"}, **model)
-    assert all(route == ("pieces", 2 if model.get("experts", 4) // model["ep"] == 2 else 4)
+    assert all(route == ("pieces", 4 if model.get("experts", 4) // model["ep"] == 2 else 8)
                for r in got for route in r["routes"]), got[0]["routes"]
 
 
@@ -154,4 +155,4 @@ def test_expert_tensor_parallelism(pool, experts):
     combine's reduce-scatter, then its all-to-all."""
     results = run(pool, ep=2, etp=2, experts=experts)
     local = experts // 2
-    check_exact(results, -(-4 // local))
+    check_exact(results, -(-8 // local))

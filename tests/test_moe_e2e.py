@@ -54,13 +54,13 @@ def test_banner_summary_and_report_say_what_ran(runs):
     proc, _ = results["pieces"]
     banner = next(line for line in proc.stderr.splitlines() if "MoE overlap installed on MoELayer" in line)
     assert len(banner) < 160, banner
-    assert "MoE all-to-alls in pieces on 2 layers (4 pieces): 2 calls" in proc.stderr, proc.stderr[-3000:]
+    assert "MoE all-to-alls in pieces on 2 layers (8 pieces): 2 calls" in proc.stderr, proc.stderr[-3000:]
     assert "runs Megatron's path" not in proc.stderr and "no MoE layer call" not in proc.stderr
     for rank in range(2):
         report = json.loads((work / f"pieces_{rank}.json").read_text())
         layers = [(layer["name"], layer["pieces"], layer["chunks"], layer["reason"], layer["calls"])
                   for layer in report["layers"] if layer["route"] == "moe"]
-        assert layers == [(f"decoder.layers.{i}.mlp", 4, 2, None, STEPS) for i in range(2)], layers
+        assert layers == [(f"decoder.layers.{i}.mlp", 8, 4, None, STEPS) for i in range(2)], layers
         assert report["calls"]["moe"] == 2 * STEPS and report["config"]["moe_overlap"] == "1"
 
 
@@ -69,17 +69,17 @@ def test_auto_decides_once_per_shape_the_same_on_both_ranks(runs):
     decisions = [json.loads((work / f"auto_{rank}.json").read_text())["moe_decisions"] for rank in range(2)]
     assert len(decisions[0]) == 1 and decisions[0][0]["source"] == "trials"
     assert [d["chunks"] for d in decisions[0]] == [d["chunks"] for d in decisions[1]]
-    assert set(decisions[0][0]["times_ms"]) == {"Megatron", "1 chunk(s)", "2 chunk(s)", "4 chunk(s)"}
+    assert set(decisions[0][0]["times_ms"]) == {"Megatron", "1 chunk(s)", "2 chunk(s)", "4 chunk(s)", "8 chunk(s)"}
 
 
 def test_mindspeeds_flag_reads_as_pieces(runs):
     work, results = runs
     report = json.loads((work / "flag_0.json").read_text())
     assert report["config"]["moe_overlap"] == "1"
-    assert {layer["pieces"] for layer in report["layers"] if layer["route"] == "moe"} == {4}
+    assert {layer["pieces"] for layer in report["layers"] if layer["route"] == "moe"} == {8}
 
 
-@pytest.mark.parametrize("setting,words", [("0", "off (COC_MOE_OVERLAP=0)"), ("1", "at least 4 per layer"),
+@pytest.mark.parametrize("setting,words", [("0", "off (COC_MOE_OVERLAP=0)"), ("1", "at least 8 per layer"),
                                            ("auto", "as each layer shape's trials find fastest (auto)")])
 def test_status_says_what_moe_overlap_does(setting, words):
     import subprocess

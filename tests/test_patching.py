@@ -191,10 +191,3 @@ def test_engine_never_allocates_with_cuda_current_device():
     for source in package.rglob("*.py"):
         if "bench" not in source.parts:
             assert "current_device" not in source.read_text(), source
-
-
-def test_readme_reference_tables_are_current():
-    from coc_inject.cli import reference_markdown
-
-    readme = (pathlib.Path(patching.__file__).parent.parent / "README.md").read_text()
-    assert reference_markdown() in readme, "README tables are stale: paste `coc-inject reference`"

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 MEGATRON = "megatron"  # the baseline candidate: Megatron's dispatcher (a name: the cache keeps counts >= 1)
-CHUNKS = (1, 2, 4)  # chunks per local expert tried beside it
+CHUNKS = (1, 2, 4, 8)  # chunks per local expert tried beside it
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ from coc_inject.moe import auto, guards, layout
 from coc_inject.moe.function import PieceRun, PipelinedExperts
 from coc_inject.routes import MoERoute
 
-MIN_PIECES = 4  # COC_MOE_OVERLAP=1 cuts each local expert's rows into chunks up to this many pieces
+MIN_PIECES = 8  # COC_MOE_OVERLAP=1 cuts each local expert's rows into chunks up to this many pieces (with P pieces
+# a layer takes about max(C, M) + min(C, M) / P: 8 reach ~90% of the limit max(C, M) at C = M)
 MOE = job.MOE  # this wing's tuner
 AUTO_CHOSE_MEGATRON = "auto: Megatron's dispatcher was faster for this shape"
 _DECIDING = -1  # a call of COC_MOE_OVERLAP=auto whose shape is decided in the experts' place

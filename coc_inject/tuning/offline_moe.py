@@ -2,7 +2,7 @@
 
 Each shape runs once, forward and backward, through a megatron-core MoE layer (alltoall dispatcher,
 SequentialMLP experts) with the MoE wing installed as ``COC_MOE_OVERLAP=auto`` installs it, so the
-wing's tuner makes the decision (Megatron's dispatcher or 1, 2, 4 chunks per local expert, MAX over
+wing's tuner makes the decision (Megatron's dispatcher or 1, 2, 4, 8 chunks per local expert, MAX over
 the EP group) and caches it under the key and hardware identity the job's first call looks up.
 Megatron's parallel state gets expert parallelism ``--ep`` (TP 1): an MoE tune runs on its own.
 """

@@ -151,7 +151,7 @@ def text(report: dict) -> str:
     moe = report.get("moe")
     if moe is not None:
         lines += [f"coc-inject tune, MoE (COC_MOE_OVERLAP=auto): {where}, {dtype}; candidates Megatron's dispatcher "
-                  "(the baseline), 1, 2, 4 chunks per local expert; ms: fwd+bwd median of the trials, max over the EP "
+                  "(the baseline), 1, 2, 4, 8 chunks per local expert; ms: fwd+bwd median of the trials, max over the EP "
                   "group (source cache: the times cached with the decision)",
                   offline_moe.format_table(moe["rows"]),
                   *(f"warning: {warning}" for warning in moe["warnings"]),

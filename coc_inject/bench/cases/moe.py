@@ -1,6 +1,6 @@
 """``coc-inject bench --cases moe``: one MoE layer forward + backward at expert parallelism EP
-(alltoall dispatcher, SequentialMLP experts, top-k): Megatron's dispatcher, the pieces at 1, 2 and 4
-chunks per local expert, auto, and the compute-only twin (the tokens' all-to-alls no-ops) -- C, M, the limit max(C, M), each variant's
+(alltoall dispatcher, SequentialMLP experts, top-k): Megatron's dispatcher, the pieces at each chunk
+count per local expert that auto tries, auto, and the compute-only twin (the tokens' all-to-alls no-ops) -- C, M, the limit max(C, M), each variant's
 share of it and of M hidden (coc_inject.bench.report), auto against the best fixed count. On CPU
 ranks, Megatron's MoE code needs the CPU shims of :func:`cpu_moe_shims` (never applied in a user's job).
 
@@ -13,8 +13,7 @@ import contextlib
 import sys
 
 from coc_inject.bench import engine, ranks, report
-
-CHUNKS = (1, 2, 4)
+from coc_inject.moe.auto import CHUNKS
 
 
 def cpu_moe_shims() -> None:
