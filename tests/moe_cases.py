@@ -102,7 +102,14 @@ def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None) -> None:
     cpu_shims()
     job.uninstall()
     if coc is not None:
-        install.install(CocConfig(**coc), moe_layer)
+        config = CocConfig(**coc)
+        install.install(config, moe_layer)
+        if config.multi_copy_armed:  # the same installation: the wings compose
+            from megatron.core.transformer import transformer_block
+
+            from coc_inject.multi_copy import install as copies
+
+            copies.install(config, transformer_block)
     key = (ep, tp, etp)
     if key != _state_key:
         reinitialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -319,7 +326,9 @@ def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, **mod
         optimizer.step()
         losses.append(loss.item())
     routes = [route_of(m) for m in gpt.modules() if isinstance(m, MoELayer) and hasattr(m, "_coc_moe")]
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in gpt.named_parameters()}, "routes": routes}
+    blocks = [m._coc_multi_copy.reason for m in gpt.modules() if hasattr(m, "_coc_multi_copy")]
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in gpt.named_parameters()}, "routes": routes,
+            "blocks": blocks}
 
 
 def _cpu_rng_for_recompute() -> None:

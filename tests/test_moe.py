@@ -156,3 +156,12 @@ def test_expert_tensor_parallelism(pool, experts):
     results = run(pool, ep=2, etp=2, experts=experts)
     local = experts // 2
     check_exact(results, -(-8 // local))
+
+
+def test_multi_copy_keeps_refusing_blocks_of_moe_layers_and_their_pieces_still_run(pool):
+    """Copies of a micro-batch would route and count their tokens apart (the aux loss and the router's
+    statistics are per batch): a block with MoE layers runs Megatron's block, its MoE layers in pieces."""
+    got = train(pool, {"moe_overlap": "1", "multi_copy": 2}, ep=2)
+    for r in got:
+        assert r["blocks"] and all("MoE layers" in reason for reason in r["blocks"]), r["blocks"]
+        assert r["routes"] and all(route == ("pieces", 4) for route in r["routes"]), r["routes"]
