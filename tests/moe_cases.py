@@ -59,7 +59,8 @@ def cpu_shims() -> None:
         dist.all_to_all_single = all_to_all_single
     # With expert tensor parallelism Megatron gathers and reduce-scatters uneven row counts with the list
     # forms, which gloo refuses ("invalid tensor size"); padded to the largest, they are the same sums.
-    if not getattr(dist.all_gather, "_uneven", False):
+    if not _even:  # once per process: torch's own, never a wrapper of these
+        _even.update(all_gather=dist.all_gather, reduce_scatter=dist.reduce_scatter)
         dist.all_gather, dist.reduce_scatter = _uneven_all_gather, _uneven_reduce_scatter
     # 0.16's router names Transformer Engine's GEMM, defined only when TE imports.
     if not hasattr(moe_utils, "te_general_gemm"):
@@ -67,7 +68,12 @@ def cpu_shims() -> None:
     del token_dispatcher
 
 
+_even: dict = {}  # torch's own list forms, for even sizes (async ones too)
+
+
 def _uneven_all_gather(outputs, tensor, group=None, async_op=False):
+    if all(out.shape == tensor.shape for out in outputs):
+        return _even["all_gather"](outputs, tensor, group=group, async_op=async_op)
     width = max(out.shape[0] for out in outputs)
     padded = tensor.new_zeros((width,) + tuple(tensor.shape[1:]))
     padded[:tensor.shape[0]] = tensor
@@ -79,6 +85,8 @@ def _uneven_all_gather(outputs, tensor, group=None, async_op=False):
 
 
 def _uneven_reduce_scatter(output, inputs, group=None, async_op=False, **kwargs):
+    if all(t.shape == output.shape for t in inputs):
+        return _even["reduce_scatter"](output, inputs, group=group, async_op=async_op, **kwargs)
     width = max(t.shape[0] for t in inputs)
     padded = inputs[0].new_zeros((width * len(inputs),) + tuple(inputs[0].shape[1:]))
     for rank, t in enumerate(inputs):
@@ -89,13 +97,15 @@ def _uneven_reduce_scatter(output, inputs, group=None, async_op=False, **kwargs)
     assert not async_op
 
 
-_uneven_all_gather._uneven = True
-
-
-def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None) -> None:
-    """Megatron's parallel state for TP x EP (expert TP ``etp``); the MoE wing installed for ``coc``."""
+def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None, cp: int = 1) -> None:
+    """Megatron's parallel state for TP x CP x EP (expert TP ``etp``); the MoE wing installed for
+    ``coc``, and with it the other wings ``coc`` arms (one installation: they compose)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import dot_product_attention
     from megatron.core.transformer.moe import moe_layer
 
+    from coc_inject import patching
+    from coc_inject.context_parallel import install as cp_install
     from coc_inject.moe import install
 
     global _state_key
@@ -103,6 +113,10 @@ def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None) -> None:
     job.uninstall()
     if coc is not None:
         config = CocConfig(**coc)
+        if config.cp_algorithm:  # first: its install() starts the installation afresh
+            cp_install.install(config, dot_product_attention, parallel_state)
+        if config.enabled:
+            patching.install(config)
         install.install(config, moe_layer)
         if config.multi_copy_armed:  # the same installation: the wings compose
             from megatron.core.transformer import transformer_block
@@ -110,10 +124,10 @@ def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None) -> None:
             from coc_inject.multi_copy import install as copies
 
             copies.install(config, transformer_block)
-    key = (ep, tp, etp)
+    key = (ep, tp, etp, cp)
     if key != _state_key:
         reinitialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                    expert_tensor_parallel_size=etp)
+                                    expert_tensor_parallel_size=etp, context_parallel_size=cp)
         _state_key = key
 
 
@@ -298,29 +312,40 @@ def _sync_gradients(model) -> None:
             continue
         expert = ".local_experts." in name
         group = (parallel_state.get_expert_data_parallel_group() if expert
-                 else parallel_state.get_data_parallel_group())
+                 else parallel_state.get_data_parallel_group(with_context_parallel=True))
         dist.all_reduce(param.grad, group=group)
         if getattr(param, "sequence_parallel", False):
             dist.all_reduce(param.grad, group=parallel_state.get_tensor_model_parallel_group())
 
 
-def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, **model):
-    """Losses and parameters after ``steps`` SGD steps of the MoE GPT; the MoE layers' last routes."""
+def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, cp=1, **model):
+    """Losses and parameters after ``steps`` SGD steps of the MoE GPT; the MoE layers' last routes.
+    With ``cp`` > 1 each rank keeps its share of the sequence as Megatron-LM cuts it (the loss over the
+    global token count), coc-inject's context parallelism running the attention."""
+    from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    setup(ep, tp=tp, etp=etp, coc=coc)
+    from tests.cp_gpt_cases import cp_slice
+
+    setup(ep, tp=tp, etp=etp, coc=coc, cp=cp)
     _cpu_rng_for_recompute()
     torch.manual_seed(7)
-    gpt = build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, etp=etp, **model)
+    gpt = build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, etp=etp, context_parallel_size=cp, **model)
     optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        generator = torch.Generator().manual_seed(100 * step + dist.get_rank() // tp)  # a batch per data rank
+        data_rank = parallel_state.get_data_parallel_rank()
+        generator = torch.Generator().manual_seed(100 * step + data_rank)  # a batch per model replica
         tokens = torch.randint(vocab, (b, seq + 1), generator=generator)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
         positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
         causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+        if cp > 1:
+            rank = parallel_state.get_context_parallel_rank()
+            inputs, labels, positions = (cp_slice(t, 1, cp, rank) for t in (inputs, labels, positions))
+            causal = cp_slice(causal, 2, cp, rank)
         optimizer.zero_grad(set_to_none=True)
-        loss = gpt(tokens[:, :-1], positions, causal, labels=tokens[:, 1:]).sum() / (b * seq)
+        loss = gpt(inputs, positions, causal, labels=labels).sum() / (b * seq)
         loss.backward()
         _sync_gradients(gpt)
         optimizer.step()

@@ -4,6 +4,7 @@ issued in the same order on every rank, each one's splits matching its peers'.""
 
 import pytest
 
+from coc_inject.config import AUTO
 from coc_inject.moe.install import AUTO_CHOSE_MEGATRON
 from tests.dist_harness import RankPool
 from tests.scope import newest_only
@@ -105,10 +106,11 @@ def assert_same_training(got, want, tolerance=1e-6):
             assert diff <= tolerance * max(1.0, value.abs().max().item()), f"rank {rank} {name}: max diff {diff}"
 
 
-def train(pool, coc, **model):
-    key = repr(sorted(model.items()))
+def train(pool, coc, reference_coc=None, **model):
+    """``coc`` against the same training with ``reference_coc`` (default: coc-inject off)."""
+    key = repr((sorted(model.items()), reference_coc))
     if key not in _references:
-        _references[key] = pool.run("tests.moe_cases:train_gpt", coc=None, **model)
+        _references[key] = pool.run("tests.moe_cases:train_gpt", coc=reference_coc, **model)
     got = pool.run("tests.moe_cases:train_gpt", coc=coc, **model)
     assert_same_training(got, _references[key])
     return got
@@ -165,3 +167,17 @@ def test_multi_copy_keeps_refusing_blocks_of_moe_layers_and_their_pieces_still_r
     for r in got:
         assert r["blocks"] and all("MoE layers" in reason for reason in r["blocks"]), r["blocks"]
         assert r["routes"] and all(route == ("pieces", 4) for route in r["routes"]), r["routes"]
+
+
+@pytest.mark.parametrize("coc,reference,model,pieces", [
+    ({"moe_overlap": "1", "parallel_num": 4}, None, {"ep": 2, "tp": 2, "sp": True}, 4),
+    ({"moe_overlap": "auto", "parallel_num": AUTO}, None, {"ep": 2, "tp": 2, "sp": True}, None),
+    ({"moe_overlap": "1", "cp_algo": "ring"}, {"cp_algo": "ring"}, {"ep": 2, "cp": 2}, 4),
+], ids=["coc-linears", "both-auto", "context-parallel"])
+def test_composes_with_the_other_wings(pool, coc, reference, model, pieces):
+    """TP x EP with CoC's chunked (and auto) linears around the MoE layers; CP x EP with coc-inject's ring
+    attention (Megatron's local attention refuses CP > 1: the reference runs the ring too)."""
+    got = train(pool, coc, reference, **model)
+    for r in got:
+        assert r["routes"] and all(route[0] == "pieces" and (pieces is None or route[1] == pieces)
+                                   or route == ("megatron", AUTO_CHOSE_MEGATRON) for route in r["routes"]), r["routes"]
