@@ -76,6 +76,22 @@ def megatron_patchable(config) -> megatron_version.Megatron | None:
     return megatron if decision in (megatron_version.TESTED, megatron_version.UNTESTED) else None
 
 
+def wing_hook(armed, install, banner):
+    """A wing's post-import hook: when ``armed(config)`` and Megatron may be patched, ``install(installation,
+    module)`` into the job's installation (its coverage armed) and say ``banner(config)`` once (rank 0)."""
+
+    def hook(module) -> None:
+        job_config = config()
+        if not armed(job_config) or megatron_patchable(job_config) is None:
+            return
+        job_installation = installation(job_config)
+        job_installation.armed_coverage()
+        install(job_installation, module)
+        log.logger.log(logging.INFO if log.global_rank() == 0 else logging.DEBUG, banner(job_config))
+
+    return hook
+
+
 class Installation:
     """What the hooks put into this process for one configuration."""
 

@@ -7,7 +7,6 @@ every rank's local experts differ and a token sent to the wrong rank or expert c
 
 from __future__ import annotations
 
-import contextlib
 import time
 import zlib
 
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import job
+from coc_inject.bench.cases.moe import cpu_moe_shims
 from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
 from coc_inject.config import CocConfig
 from tests.dist_harness import reinitialize_model_parallel
@@ -22,41 +22,13 @@ from tests.dist_harness import reinitialize_model_parallel
 _state_key = None
 
 
-class _InertEvent:
-    def synchronize(self):
-        pass
-
-
-class _InertStream:
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record_event(self, *args, **kwargs):
-        return _InertEvent()
-
-    def wait_stream(self, *args, **kwargs):
-        pass
-
-
 def cpu_shims() -> None:
     """Test-only shims for Megatron's MoE code on CPU (each one what that code needs, nothing more)."""
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils
 
-    # The alltoall dispatcher makes a side stream for its device-to-host copies at construction.
-    torch.cuda.Stream = _InertStream
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
-    # Without the device-to-host copy (skipped on CPU) Megatron hands all_to_all_single its split
-    # sizes as tensors; gloo wants lists.
-    if not getattr(dist.all_to_all_single, "_splits_as_lists", False):
-        original = dist.all_to_all_single
-
-        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-            as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
-            return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
-
-        all_to_all_single._splits_as_lists = True
-        dist.all_to_all_single = all_to_all_single
+    # The alltoall dispatcher's side stream for its split counts, and gloo's list-only split sizes:
+    # the bench's CPU ranks need the same (one copy, there).
+    cpu_moe_shims()
     # With expert tensor parallelism Megatron gathers and reduce-scatters uneven row counts with the list
     # forms, which gloo refuses ("invalid tensor size"); padded to the largest, they are the same sums.
     if not _even:  # once per process: torch's own, never a wrapper of these
@@ -65,7 +37,6 @@ def cpu_shims() -> None:
     # 0.16's router names Transformer Engine's GEMM, defined only when TE imports.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    del token_dispatcher
 
 
 _even: dict = {}  # torch's own list forms, for even sizes (async ones too)

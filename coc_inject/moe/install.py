@@ -75,17 +75,6 @@ def install(config, moe_layer_module, chunks: int | None = None) -> None:
     _install(job.installation(config), moe_layer_module, chunks)
 
 
-def on_moe_layer_imported(module) -> None:
-    config = job.config()
-    if not config.moe_armed or job.megatron_patchable(config) is None:
-        return
-    installation = job.installation(config)
-    installation.armed_coverage()
-    _install(installation, module)
-    level = logging.INFO if log.global_rank() == 0 else logging.DEBUG
-    log.logger.log(level, banner(config))
-
-
 def banner(config) -> str:
     pieces = "pieces or Megatron's per layer shape (auto)" if config.moe_overlap == "auto" else "pieces"
     return f"MoE overlap installed on MoELayer: alltoall dispatch and combine in {pieces} (details: coc-inject status)"
@@ -105,6 +94,9 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
     pieces_forward = functools.partial(_experts_forward, installation, megatron)
     patches.patch(mlp, "forward", _when_pieces(megatron.experts_forward, pieces_forward))
     patches.patch(layer, "forward", _layer_forward(installation, patches.original(layer, "forward"), chunks))
+
+
+on_moe_layer_imported = job.wing_hook(lambda config: config.moe_armed, _install, banner)
 
 
 def _when_pieces(original, deferred):

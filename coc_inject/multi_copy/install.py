@@ -42,20 +42,12 @@ def _install(installation, transformer_block_module) -> None:
     patches.patch(cls, "forward", _copies_forward(installation, patches.original(cls, "forward")))
 
 
-def on_transformer_block_imported(module) -> None:
-    config = job.config()
-    if not config.multi_copy_armed or job.megatron_patchable(config) is None:
-        return
-    installation = job.installation(config)
-    installation.armed_coverage()
-    _install(installation, module)
-    level = logging.INFO if log.global_rank() == 0 else logging.DEBUG
-    log.logger.log(level, banner(config))
-
-
 def banner(config) -> str:
     copies = "auto (copies or not per block shape)" if config.multi_copy == AUTO else f"{config.multi_copy} copies"
     return f"multi-copy installed on TransformerBlock: {copies} (details: coc-inject status, COC_REPORT)"
+
+
+on_transformer_block_imported = job.wing_hook(lambda config: config.multi_copy_armed, _install, banner)
 
 
 def _patch_collectives(patches) -> None:
