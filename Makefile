@@ -21,13 +21,13 @@ VENV_MIDDLE ?= .venv-megatron-$(MEGATRON_MIDDLE)
 VENV_OLDEST ?= .venv-megatron-$(MEGATRON_OLDEST)
 SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/dev/null)
 # What runs on the older releases: the suites that touch Megatron's layers or launch a job.
-LAYER_SUITES := tests/test_layers_tp2.py tests/test_layers_tp4.py tests/test_patching.py \
-	tests/test_megatron_guards.py tests/test_injection_e2e.py tests/test_tuning.py tests/test_coverage.py
+LAYER_SUITES := tests/linears/test_layers_tp2.py tests/linears/test_layers_tp4.py tests/linears/test_patching.py \
+	tests/linears/test_megatron_guards.py tests/linears/test_injection_e2e.py tests/linears/test_tuning.py tests/linears/test_coverage.py
 # Context parallelism on the older releases: the CP=2 GPT cases and the construction errors. TEST_SCOPE=older-release
 # skips the cases marked newest_only (tests/scope.py): coc-inject's own logic, tested once on the newest release.
-CP_SUITES := tests/test_cp_gpt.py tests/test_multi_copy.py
+CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_copy.py
 # MoE on the older releases: every case but expert biases (0.13 refuses them for MoE).
-MOE_SUITES := tests/test_moe.py
+MOE_SUITES := tests/moe/test_moe.py
 
 LINK ?= 1gbit
 ROUNDS ?= 3

@@ -23,8 +23,8 @@ def main():
     try:
         rows = []
         for seq in SEQUENCES:
-            megatron = max(pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=1, seq=seq))
-            cp = {a: max(pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc={"cp_algo": a},
+            megatron = max(pool.run("tests.context_parallel.cp_gpt_cases:saved_attention_bytes", tp=1, cp=1, seq=seq))
+            cp = {a: max(pool.run("tests.context_parallel.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc={"cp_algo": a},
                                   seq=seq)) for a in ALGORITHMS}
             rows.append((seq, megatron, cp))
             print(f"seq {seq} done", file=sys.stderr, flush=True)

@@ -31,7 +31,7 @@ _TRUE_WORDS = frozenset(("1", "true", "yes", "on"))
 _FALSE_WORDS = frozenset(("0", "false", "no", "off"))
 
 # The names below are the settings table's (coc_inject.settings.table), copied because importing
-# it would cost every Python process start-up time; tests/test_bootstrap.py holds them to the table.
+# it would cost every Python process start-up time; tests/settings/test_bootstrap.py holds them to the table.
 DISABLE = "COC_DISABLE"
 # The variables that request coc-inject on their own, each with the values that do not. Any other
 # non-blank value does, an invalid one too, so that the config says what is wrong with it.

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from launch import SITE, clean_env, torchrun  # noqa: E402
 
@@ -16,7 +16,7 @@ STEPS = 3
 MODEL = ["--steps", str(STEPS), "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--seq-length", "32", "--micro-batch-size", "2", "--vocab-size", "256", "--num-attention-heads", "4"]
 SCRIPT = ROOT / "examples" / "pretrain_tiny_gpt.py"
-CASES = [(2, True)]  # TP 4 and TP without SP: per layer in tests/test_tuning.py and the layer suites
+CASES = [(2, True)]  # TP 4 and TP without SP: per layer in tests/linears/test_tuning.py and the layer suites
 
 
 def launch(workdir, name, env, tp, sp):

@@ -44,7 +44,7 @@ def check_order(results, pieces):
 
 def run(pool, ranks=4, **case):
     """``case`` on every rank of ``pool`` (the ranks beyond the EP group form more groups)."""
-    return pool.run("tests.moe_cases:layer_case", **case)
+    return pool.run("tests.moe.moe_cases:layer_case", **case)
 
 
 @pytest.mark.parametrize("ep,experts,topk", [(2, 4, 2), (2, 2, 1), (4, 4, 2), (4, 16, 2), (2, 8, 1)],
@@ -74,7 +74,7 @@ def test_capacity_factor_drops_the_same_tokens(pool):
 
 
 def test_auto_decides_once_the_same_on_every_rank_of_a_group_and_stays_exact(pool):
-    results = pool.run("tests.moe_cases:auto_case", ep=2, experts=4)
+    results = pool.run("tests.moe.moe_cases:auto_case", ep=2, experts=4)
     for group in ((0, 1), (2, 3)):  # each EP group decides for itself
         decisions = [results[rank]["decisions"] for rank in group]
         assert len(decisions[0]) == 1 and decisions[0][0][2] == "trials" and decisions[1] == decisions[0]
@@ -88,7 +88,7 @@ def test_auto_decides_once_the_same_on_every_rank_of_a_group_and_stays_exact(poo
 
 
 def test_auto_gives_the_layer_back_to_megatron_when_one_ranks_pieces_are_slow(pool):
-    results = pool.run("tests.moe_cases:auto_case", slow_ranks=(1, 3), ep=2, experts=4)  # one rank of each group
+    results = pool.run("tests.moe.moe_cases:auto_case", slow_ranks=(1, 3), ep=2, experts=4)  # one rank of each group
     assert all(r["decisions"][0][1] == "megatron" for r in results), [r["decisions"] for r in results]
     assert all(r["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for r in results)
     assert all(r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0 for r in results)
@@ -110,8 +110,8 @@ def train(pool, coc, reference_coc=None, **model):
     """``coc`` against the same training with ``reference_coc`` (default: coc-inject off)."""
     key = repr((sorted(model.items()), reference_coc))
     if key not in _references:
-        _references[key] = pool.run("tests.moe_cases:train_gpt", coc=reference_coc, **model)
-    got = pool.run("tests.moe_cases:train_gpt", coc=coc, **model)
+        _references[key] = pool.run("tests.moe.moe_cases:train_gpt", coc=reference_coc, **model)
+    got = pool.run("tests.moe.moe_cases:train_gpt", coc=coc, **model)
     assert_same_training(got, _references[key])
     return got
 
@@ -130,7 +130,7 @@ def test_gpt_trains_as_megatron(pool, model):
 
 
 def test_what_the_pieces_do_not_run_goes_to_megatron_with_its_reason(pool):
-    reasons = pool.run("tests.moe_cases:refusal_reasons")[0]
+    reasons = pool.run("tests.moe.moe_cases:refusal_reasons")[0]
     assert reasons.pop("alltoall + SequentialMLP") is None
     expected = {
         "EP 1": "expert parallelism 1", "allgather": "allgather dispatcher",

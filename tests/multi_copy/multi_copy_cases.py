@@ -15,7 +15,7 @@ import torch.distributed as dist
 from coc_inject import copy_context
 from coc_inject.multi_copy import install as copies_install
 from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
-from tests import cp_gpt_cases
+from tests.context_parallel import cp_gpt_cases
 from tests.dist_harness import reinitialize_model_parallel
 
 RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
@@ -257,7 +257,7 @@ def train_fused(copies=2, **kwargs):
     """train() with USE_COC_FUSED_KERNEL=1 on CUDA symmetric memory's fused kernels -- the FAKE CPU
     kernels of tests/fakes/symm_mem_cpu.py, which check the call contract and compute with gloo --
     and the backward chunked in 4; how many fused kernel calls ran comes back too."""
-    from tests import fused_cases
+    from tests.linears import fused_cases
 
     fused_cases.use_fakes(True, symm_mem=True)
     try:

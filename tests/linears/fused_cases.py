@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-FAKES = str(Path(__file__).resolve().parent / "fakes")
+FAKES = str(Path(__file__).resolve().parents[1] / "fakes")
 
 
 def use_fakes(enabled: bool = True, symm_mem: bool = False):

@@ -22,7 +22,7 @@ import pytest
 
 from coc_inject.bench import startup
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SITE_FILE = REPO / "sitecustomize" / "sitecustomize.py"
 TAG = sys.implementation.cache_tag
 

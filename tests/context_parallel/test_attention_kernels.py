@@ -16,7 +16,7 @@ from coc_inject import attention_kernels
 from coc_inject.attention_kernels import cpu, cuda, npu, reference
 from coc_inject.attention_kernels.merge import merge_into, new_accumulators
 
-FAKES = str(Path(__file__).resolve().parent / "fakes")
+FAKES = str(Path(__file__).resolve().parents[1] / "fakes")
 
 
 @pytest.fixture(scope="module")

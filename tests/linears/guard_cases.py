@@ -1,4 +1,4 @@
-"""Worker functions for the Megatron feature guards (tests/test_megatron_guards.py).
+"""Worker functions for the Megatron feature guards (tests/linears/test_megatron_guards.py).
 
 Each builds a real megatron-core layer with one feature on, runs it unpatched and with
 coc-inject installed, and returns what the test asserts on: the numbers of both runs,

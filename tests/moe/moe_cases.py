@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_moe.py: a real megatron-core MoE layer, and a tiny GPT with MoE
+"""Worker functions for tests/moe/test_moe.py: a real megatron-core MoE layer, and a tiny GPT with MoE
 layers, on gloo ranks with expert parallelism, unpatched and with COC_MOE_OVERLAP.
 
 Every parameter starts from a seed of its GLOBAL name (an expert's by its global expert index), so
@@ -296,7 +296,7 @@ def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, cp=1,
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from tests.cp_gpt_cases import cp_slice
+    from tests.context_parallel.cp_gpt_cases import cp_slice
 
     setup(ep, tp=tp, etp=etp, coc=coc, cp=cp)
     _cpu_rng_for_recompute()

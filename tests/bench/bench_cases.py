@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_bench.py: the bench's ``auto`` variant on real megatron-core layers."""
+"""Worker functions for tests/bench/test_bench.py: the bench's ``auto`` variant on real megatron-core layers."""
 
 from __future__ import annotations
 

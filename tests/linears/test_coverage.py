@@ -21,7 +21,7 @@ from coc_inject import coverage, routes
 from coc_inject.config import CocConfig
 from scope import newest_only
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAMES = {"decoder.layers.0.linear_fc1": "ColumnParallelLinear", "decoder.layers.0.linear_fc2": "RowParallelLinear"}
 
 

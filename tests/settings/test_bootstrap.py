@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SITE = REPO / "sitecustomize"
 SITE_FILE = SITE / "sitecustomize.py"
 COC_SH = REPO / "env" / "coc.sh"

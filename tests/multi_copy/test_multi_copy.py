@@ -8,7 +8,7 @@ import pytest
 
 from coc_inject.config import AUTO
 from tests.scope import newest_only
-from tests.test_cp_gpt import assert_same_training, pool  # noqa: F401 - pool: a fixture (4 ranks, per module)
+from tests.context_parallel.test_cp_gpt import assert_same_training, pool  # noqa: F401 - pool: a fixture (4 ranks, per module)
 
 
 _references: dict = {}
@@ -17,12 +17,12 @@ _references: dict = {}
 def reference(pool, **kwargs):
     key = repr(sorted(kwargs.items()))
     if key not in _references:
-        _references[key] = pool.run("tests.multi_copy_cases:train", copies=1, **kwargs)
+        _references[key] = pool.run("tests.multi_copy.multi_copy_cases:train", copies=1, **kwargs)
     return _references[key]
 
 
 def run(pool, want_routes=((2, None),), copies=2, **kwargs):
-    got = pool.run("tests.multi_copy_cases:train", copies=copies, **kwargs)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=copies, **kwargs)
     assert all(r["routes"] == [tuple(route) for route in want_routes] for r in got), [r["routes"] for r in got]
     options = {k: v for k, v in kwargs.items() if k not in ("chunks", "record")}
     assert_same_training(got, reference(pool, **options))
@@ -46,7 +46,7 @@ def test_copies_with_tuned_linears_run_megatrons_linears_where_their_trials_are_
     chunk; one rank's slower chunked trials decide it for its group (MAX over ranks)."""
     from coc_inject.routes import COPIES_CHOSE_MEGATRON, unchunked
 
-    got = pool.run("tests.multi_copy_cases:train_linears_choice", tp=2, sp=True, b=4)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_linears_choice", tp=2, sp=True, b=4)
     assert all(r["decisions"] == [unchunked(2)] and r["routes"] == [(2, None)] for r in got), got[0]["decisions"]
     assert all(COPIES_CHOSE_MEGATRON in r["megatron_reasons"] for r in got), [r["megatron_reasons"] for r in got]
     assert_same_training(got, reference(pool, tp=2, sp=True, b=4))
@@ -56,8 +56,8 @@ def test_copies_with_tuned_linears_run_megatrons_linears_where_their_trials_are_
 def test_with_fused_kernels(pool):
     """USE_COC_FUSED_KERNEL=1 (symm_mem through fake CPU kernels): each copy's linears run the fused
     kernel: the block's calls double; the output layer's, one per step outside the block, do not."""
-    want = pool.run("tests.multi_copy_cases:train_fused", copies=1, tp=2, sp=True, b=4)
-    got = pool.run("tests.multi_copy_cases:train_fused", copies=2, tp=2, sp=True, b=4)
+    want = pool.run("tests.multi_copy.multi_copy_cases:train_fused", copies=1, tp=2, sp=True, b=4)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_fused", copies=2, tp=2, sp=True, b=4)
     assert all(r["routes"] == [(2, None)] for r in got), [r["routes"] for r in got]
     steps = len(want[0]["losses"])  # the output layer's fused call, once per step
     assert all(w["fused_calls"] > steps and g["fused_calls"] - steps == 2 * (w["fused_calls"] - steps)
@@ -81,8 +81,8 @@ def test_with_context_parallel_ring(pool):
 def test_copies_inside_each_pipeline_stage(pool):
     """TP 2 x PP 2: stage 0's block splits its embedding output, stage 1's the input tensor Megatron
     hands it; the stages exchange the joined activations and gradients."""
-    want = pool.run("tests.multi_copy_cases:train_pipeline", copies=1)
-    got = pool.run("tests.multi_copy_cases:train_pipeline", copies=2)
+    want = pool.run("tests.multi_copy.multi_copy_cases:train_pipeline", copies=1)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_pipeline", copies=2)
     assert all(r["routes"] == [(2, None)] for r in got), [r["routes"] for r in got]
     assert sorted(r["first_stage"] for r in got) == [False, False, True, True]
     assert all(loss > 0 for r in got if not r["first_stage"] for loss in r["losses"])
@@ -107,14 +107,14 @@ def test_a_micro_batch_copies_cannot_split_runs_megatrons_block(pool, b, reason)
 
 @newest_only
 def test_dropout_runs_megatrons_block_with_the_reason(pool):
-    got = pool.run("tests.multi_copy_cases:train", copies=2, tp=2, b=4, steps=1, hidden_dropout=0.1)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, b=4, steps=1, hidden_dropout=0.1)
     assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "dropout > 0" in r["routes"][0][1]
                for r in got), [r["routes"] for r in got]
 
 
 
 def train_auto(pool, **kwargs):
-    got = pool.run("tests.multi_copy_cases:train_auto", **kwargs)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_auto", **kwargs)
     decisions = [r["decisions"] for r in got]
     assert all(len(d) == 1 and d[0]["source"] == "trials" for d in decisions), decisions
     for group in ((0, 1), (2, 3)):  # the TP groups (DP 2): one decision on every rank of a group

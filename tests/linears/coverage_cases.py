@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_coverage.py: a small model of real megatron-core layers
+"""Worker functions for tests/linears/test_coverage.py: a small model of real megatron-core layers
 (TP 2) trained one step with coc-inject installed; returns what coc-inject said and reported."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from launch import RANKS, SITE, clean_env, torchrun  # noqa: E402
 from scope import newest_only  # noqa: E402

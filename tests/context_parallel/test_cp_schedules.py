@@ -6,7 +6,7 @@ per algorithm."""
 import pytest
 import torch
 
-from tests.cp_cases import full_inputs
+from tests.context_parallel.cp_cases import full_inputs
 from tests.dist_harness import RankPool
 
 
@@ -49,7 +49,7 @@ NO_MASK = [case for case in CASES if not (case[1] == 4 and case[0] in ("ring", "
 def check(pool, algorithm, cp, window, ulysses, heads, groups, causal, kernel="cpu-flash", dtype="float32",
           tolerance=1e-5):
     seq, batch, dim, seed = 16 * cp, 2, 8, 3
-    results = pool.run("tests.cp_cases:run_schedule", algorithm=algorithm, cp=cp, causal=causal, seq=seq,
+    results = pool.run("tests.context_parallel.cp_cases:run_schedule", algorithm=algorithm, cp=cp, causal=causal, seq=seq,
                        batch=batch, heads=heads, groups=groups, dim=dim, seed=seed, window=window,
                        ulysses=ulysses, kernel=kernel, dtype=dtype)
     want = reference(seq, batch, heads, groups, dim, seed, causal, getattr(torch, dtype))

@@ -29,7 +29,7 @@ _references: dict = {}
 def reference(pool, tp, **kwargs):
     key = (tp, repr(sorted(kwargs.items())))
     if key not in _references:
-        _references[key] = pool.run("tests.cp_gpt_cases:train", tp=tp, cp=1, **kwargs)
+        _references[key] = pool.run("tests.context_parallel.cp_gpt_cases:train", tp=tp, cp=1, **kwargs)
     return _references[key]
 
 
@@ -45,7 +45,7 @@ def assert_same_training(got, want):
 
 
 def run(pool, tp, cp, coc, want_algorithms, **kwargs):
-    got = pool.run("tests.cp_gpt_cases:train", tp=tp, cp=cp, coc=coc, **kwargs)
+    got = pool.run("tests.context_parallel.cp_gpt_cases:train", tp=tp, cp=cp, coc=coc, **kwargs)
     assert all(r["algorithms"] == want_algorithms for r in got), [r["algorithms"] for r in got]
     assert_same_training(got, reference(pool, tp, **kwargs))
 
@@ -59,7 +59,7 @@ def test_cp2_equals_cp1(pool, algorithm):
 def test_flash_attention_at_cp1_equals_megatrons_attention(pool, tp, model):
     """COC_FLASH_ATTN=1: layers built with CP = 1 run the CPU flash kernel, equal to Megatron's unfused
     local attention within 1e-5 (losses and parameters after 3 SGD steps)."""
-    got = pool.run("tests.cp_gpt_cases:train", tp=tp, cp=1, coc={"flash_attn": True}, **model)
+    got = pool.run("tests.context_parallel.cp_gpt_cases:train", tp=tp, cp=1, coc={"flash_attn": True}, **model)
     assert all(r["algorithms"] == ["local"] and r["kernels"] == ["cpu-flash"] for r in got), got[0]["kernels"]
     assert_same_training(got, reference(pool, tp, **model))
 
@@ -68,14 +68,14 @@ def test_flash_attention_at_cp1_equals_megatrons_attention(pool, tp, model):
 @pytest.mark.parametrize("mask,kernels", [("none", ["cpu-flash"]), ("padding", [])])
 def test_flash_attention_masks_and_megatrons_path_for_the_rest(pool, mask, kernels):
     """No mask runs the kernel; a padding mask (neither causal nor empty) runs Megatron's attention."""
-    got = pool.run("tests.cp_gpt_cases:train", tp=1, cp=1, coc={"flash_attn": True}, mask=mask)
+    got = pool.run("tests.context_parallel.cp_gpt_cases:train", tp=1, cp=1, coc={"flash_attn": True}, mask=mask)
     assert all(r["kernels"] == kernels for r in got)
     assert_same_training(got, reference(pool, 1, mask=mask))
 
 
 @newest_only
 def test_flash_attention_reference_kernel_forced(pool):
-    got = pool.run("tests.cp_gpt_cases:train", tp=1, cp=2, coc={"cp_algo": "ring", "attn_kernel": "reference"})
+    got = pool.run("tests.context_parallel.cp_gpt_cases:train", tp=1, cp=2, coc={"cp_algo": "ring", "attn_kernel": "reference"})
     assert all(r["kernels"] == ["reference"] for r in got)
     assert_same_training(got, reference(pool, 1))
 
@@ -126,17 +126,17 @@ def test_causal_mask_type_without_a_mask_tensor(pool):
 
 @newest_only
 def test_saved_memory_is_linear_in_the_sequence_and_a_fraction_of_cp1(pool):
-    megatron = pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=1, seq=256)[0]
+    megatron = pool.run("tests.context_parallel.cp_gpt_cases:saved_attention_bytes", tp=1, cp=1, seq=256)[0]
     for algorithm in ("ring", "ulysses", "allgather"):
         coc = {"cp_algo": algorithm}
-        short = max(pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc=coc, seq=128))
-        long = max(pool.run("tests.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc=coc, seq=256))
+        short = max(pool.run("tests.context_parallel.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc=coc, seq=128))
+        long = max(pool.run("tests.context_parallel.cp_gpt_cases:saved_attention_bytes", tp=1, cp=2, coc=coc, seq=256))
         assert long <= 2.5 * short, (algorithm, short, long)
         assert long <= 0.25 * megatron, (algorithm, long, megatron)
 
 
 def error_of(pool, **kwargs):
-    errors = pool.run("tests.cp_gpt_cases:expect_error", **kwargs)
+    errors = pool.run("tests.context_parallel.cp_gpt_cases:expect_error", **kwargs)
     assert errors[0] is not None and len(set(errors)) == 1, errors
     return errors[0]
 
@@ -161,7 +161,7 @@ def test_construction_errors_name_the_feature(pool, kwargs, needle):
     (dict(rows=31), "odd number"),
 ], ids=["packed", "bias", "odd-rows"])
 def test_call_errors_name_the_feature(pool, call, needle):
-    errors = pool.run("tests.cp_gpt_cases:attention_call_error", tp=1, cp=2, coc={"cp_algo": "ring"}, **call)
+    errors = pool.run("tests.context_parallel.cp_gpt_cases:attention_call_error", tp=1, cp=2, coc={"cp_algo": "ring"}, **call)
     assert all(e is not None and needle in e for e in errors), errors
 
 
@@ -171,21 +171,21 @@ def test_a_mask_that_is_not_causal_is_refused(pool):
 
     mask = torch.zeros(1, 1, 32, 64, dtype=torch.bool)
     mask[..., -1] = True  # a padded last key
-    errors = pool.run("tests.cp_gpt_cases:attention_call_error", tp=1, cp=2, coc={"cp_algo": "ring"}, mask=mask)
+    errors = pool.run("tests.context_parallel.cp_gpt_cases:attention_call_error", tp=1, cp=2, coc={"cp_algo": "ring"}, mask=mask)
     assert all(e is not None and "neither causal nor empty" in e for e in errors), errors
 
 
 @newest_only
 def test_ranks_with_different_algorithms_fail_alike(pool):
     coc = [{"cp_algo": "ring"}, {"cp_algo": "ulysses"}, {"cp_algo": "ring"}, {"cp_algo": "ulysses"}]
-    errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error",
+    errors = pool.run_per_rank("tests.context_parallel.cp_gpt_cases:expect_error",
                                [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
     assert all(e is not None and "differs across the ranks" in e for e in errors), errors
 
 
 @newest_only
 def test_hybrid_ulysses_groups_are_destroyed_with_megatrons(pool):
-    got = pool.run("tests.cp_gpt_cases:ulysses_groups_destroyed_with_megatrons")
+    got = pool.run("tests.context_parallel.cp_gpt_cases:ulysses_groups_destroyed_with_megatrons")
     assert got == [{"live": True, "destroyed": True, "forgotten": True}] * 4, got
 
 
@@ -201,7 +201,7 @@ def choices_by_cp_group(results) -> dict:
 
 
 def train_auto(pool, tp=1, cp=2, **kwargs):
-    return pool.run("tests.cp_gpt_cases:train", tp=tp, cp=cp, **kwargs)
+    return pool.run("tests.context_parallel.cp_gpt_cases:train", tp=tp, cp=cp, **kwargs)
 
 
 @newest_only
@@ -248,7 +248,7 @@ def test_cache_round_trip_runs_no_trial(pool, tmp_path):
 
 @newest_only
 def test_a_job_takes_the_decision_of_coc_inject_tune_and_runs_no_trial(pool, tmp_path):
-    from tests.test_tune_cli import attention_entries, run_tune_attention
+    from tests.bench.test_tune_cli import attention_entries, run_tune_attention
 
     # The pool's GPT (hidden 64, 4 heads, seq 64, micro-batch 2) at TP 1 x CP 2 in a world of 4.
     cache = str(tmp_path / "tune.json")
@@ -274,11 +274,11 @@ def test_deterministic_runs_no_trial_and_uses_ring(pool, tmp_path):
 @newest_only
 def test_auto_on_some_ranks_and_a_fixed_algorithm_on_others_fails_alike(pool):
     coc = [{"cp_algo": "auto", "tune_cache": None}, {"cp_algo": "ring"}] * 2
-    errors = pool.run_per_rank("tests.cp_gpt_cases:expect_error", [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
+    errors = pool.run_per_rank("tests.context_parallel.cp_gpt_cases:expect_error", [dict(tp=1, cp=2, coc=c, what="train") for c in coc])
     assert all(e is not None and "differs across the ranks" in e for e in errors), errors
 
 
 @newest_only
 def test_a_subclass_with_its_own_forward_keeps_megatrons_refusal(pool):
-    errors = pool.run("tests.cp_gpt_cases:subclass_with_own_forward_error", coc={"cp_algo": "ring"})
+    errors = pool.run("tests.context_parallel.cp_gpt_cases:subclass_with_own_forward_error", coc={"cp_algo": "ring"})
     assert all(e is not None and "only supported by TEDotProductAttention" in e for e in errors), errors

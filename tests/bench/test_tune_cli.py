@@ -15,7 +15,7 @@ import pytest
 from coc_inject.tuning import offline as tune, offline_report as tune_report
 from coc_inject.config import AUTO, load_config, parse_customized
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_environment(env=None):
@@ -126,7 +126,7 @@ def test_explicit_shapes_are_cached_printed_and_reused_without_trials(tmp_path):
 def test_model_dimensions_tune_the_gpt_layer_shapes(tmp_path):
     cache = tmp_path / "tune.json"
     # TP 2, m = 16 x 2; GQA: kv channels 32/4 = 8, qkv outputs 32 + 2*2*8 = 64 -> 32 per rank. (A world larger
-    # than TP: the attention test, world 4, and tests/test_cp_gpt.py's job from a tune cache, world 4 = 2 CP groups.)
+    # than TP: the attention test, world 4, and tests/context_parallel/test_cp_gpt.py's job from a tune cache, world 4 = 2 CP groups.)
     _, rows, customized = run_tune("--hidden", "32", "--ffn", "96", "--seq", "16", "--micro-batch", "2",
                                    "--heads", "4", "--num-query-groups", "2", "--sequence-parallel",
                                    "--cache", str(cache))
@@ -164,7 +164,7 @@ def test_a_gpt_job_with_auto_takes_every_decision_from_the_pre_tuned_cache(tmp_p
 
 
 def test_attention_shapes_are_decided_by_the_engine_and_cached(tmp_path):
-    # (a job taking them from the cache: tests/test_cp_gpt.py, test_a_job_takes_the_decision_of_coc_inject_tune...)
+    # (a job taking them from the cache: tests/context_parallel/test_cp_gpt.py, test_a_job_takes_the_decision_of_coc_inject_tune...)
     # CP 4 with a Ulysses degree of 2: ring, ulysses, allgather and hybrid are the job's candidates.
     cache = tmp_path / "tune.json"
     # The second shape also forward-only: selective recompute runs a job's first call without autograd.

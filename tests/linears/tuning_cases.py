@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_tuning.py: real megatron-core layers with COC_PARALLEL_NUM=auto."""
+"""Worker functions for tests/linears/test_tuning.py: real megatron-core layers with COC_PARALLEL_NUM=auto."""
 
 from __future__ import annotations
 
