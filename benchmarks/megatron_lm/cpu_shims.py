@@ -1,0 +1,148 @@
+"""CPU shims for Megatron-LM's own ``pretrain_gpt.py`` (core_v0.19) on CPU ranks with gloo.
+
+Megatron's training loop assumes CUDA; each shim below is what its code needs to run on the CPU,
+with a comment saying which code needs it. They are this benchmark's, never coc-inject's (which
+runs unchanged, from its bootstrap on PYTHONPATH), and both runs -- coc-inject off and on -- get
+the same shims. ``apply()`` before Megatron's training code runs (run_pretrain.py).
+"""
+
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import sys
+import sysconfig
+import typing
+
+import torch
+import torch._dynamo
+import torch.distributed as dist
+
+CPU = torch.device("cpu")
+
+
+def apply() -> None:
+    _python()
+    _devices()
+    _streams()
+    _rng()
+    _collectives()
+    _dataset_helpers()
+
+
+def _python() -> None:
+    # megatron/training/models/hybrid.py imports typing.override (Python >= 3.12); this may be 3.11.
+    if not hasattr(typing, "override"):
+        typing.override = lambda function: function
+
+
+def _devices() -> None:
+    # initialize_megatron asserts torch.cuda.is_available(), and sets up model parallelism and the
+    # RNG tracker only if device_count() > 0: one "device" per process, and that device is the CPU,
+    # so what Megatron allocates on torch.cuda.current_device() lands in host memory.
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.current_device = lambda: CPU
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # the timers, barriers around steps
+    # With a "CUDA device" claimed, the router's torch.compile'd helpers ask Triton for its
+    # properties: run them eagerly.
+    torch._dynamo.config.disable = True
+    _CudaOnCpu().__enter__()  # for the rest of the process (this thread; autograd carries it along)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # device=0: CUDA device 0
+
+
+class _CudaOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensors that Megatron makes on "cuda" (``torch.tensor(..., device='cuda')`` in training.py and
+    the optimizer's helpers, ``.cuda()``, ``.to("cuda")``: dozens of places) are made on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = CPU
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device, int)) \
+                and _is_cuda(args[1]):
+            args = (args[0], CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+class _Event:
+    def synchronize(self):
+        pass
+
+
+class _Stream:
+    """The alltoall dispatcher copies its split counts to the host on a side stream
+    (``wait_stream``, ``record_event().synchronize()``); on the CPU there is nothing to wait for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _Event()
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+
+def _streams() -> None:
+    torch.cuda.Stream = _Stream
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+
+
+def _rng() -> None:
+    # Megatron's RNG tracker (tensor_parallel/random.py) saves, seeds and forks "the CUDA RNG", also
+    # through torch.cuda.default_generators; on the CPU that is torch's default generator
+    # (torch.manual_seed itself calls torch.cuda.manual_seed_all: a no-op here).
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.manual_seed_all = lambda seed: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+
+def _collectives() -> None:
+    # The alltoall dispatcher hands its split sizes to all_to_all_single as tensors (the host copy
+    # it makes on CUDA is skipped on the CPU); gloo takes lists.
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
+        return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+
+
+def _dataset_helpers() -> None:
+    # initialize.py compiles the dataset index helpers with `make` in the checkout, with whatever
+    # `python3` / `python3-config` PATH has (not this interpreter) and pybind11 (maybe missing).
+    # The installed megatron-core wheel ships them built for this interpreter: every rank loads that
+    # copy (the same helpers.cpp) unless the checkout has its own built, and the compile is skipped.
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers = lambda: None
+    name = "megatron.core.datasets.helpers_cpp"
+    try:
+        importlib.import_module(name)
+        return
+    except ImportError:
+        pass
+    built = "megatron/core/datasets/helpers_cpp" + sysconfig.get_config_var("EXT_SUFFIX")
+    spec = importlib.util.spec_from_file_location(
+        name, importlib.metadata.distribution("megatron-core").locate_file(built))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
