@@ -142,7 +142,7 @@ def cmd_status(args) -> int:
     if unknown:
         print(f"  warning: unknown variables (typo?): {', '.join(unknown)}")
 
-    from coc_inject.megatron_forward import CASES
+    from coc_inject.linear_adapters import CASES
 
     print("cases handled     :")
     for case in CASES:

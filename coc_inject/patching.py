@@ -13,15 +13,62 @@ import functools
 import logging
 
 from coc_inject import __version__, job, log
+from coc_inject.pipeline.layout import effective_chunks
+from coc_inject.routes import Chunked, Fused, MegatronPath
 
 LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
 PATCHED = ("ColumnParallelLinear", "RowParallelLinear")
 
 
-def _wrap(original, route):
+class Linears:
+    """The linears' wing in one installation: its router, its adapters and what they counted."""
+
+    def __init__(self, config, installation):
+        from coc_inject.linear_adapters import ADAPTERS
+        from coc_inject.linear_router import LinearRouter
+
+        self.config = config
+        self.router = LinearRouter(config, installation)
+        self.adapters = {name: adapter(config) for name, adapter in ADAPTERS.items()}
+        self.calls = 0  # calls CoC ran (status / tests); Megatron's path is not counted here
+        self.coverage = installation.armed_coverage()
+        self._counted_chunks: dict = {}  # one route object per count: no allocation per call
+
+    def count(self, call, route, shape_of) -> None:
+        """Count a call CoC ran; a chunked one by the chunks its rows really split into."""
+        self.calls += 1
+        if self.coverage is not None:
+            if isinstance(route, Chunked):
+                chunks = effective_chunks(call.rows, route.chunks)
+                route = self._counted_chunks.get(chunks) or self._counted_chunks.setdefault(chunks, Chunked(chunks))
+            self.coverage.count(call.layer, route, call.megatron_input, shape_of)
+
+    def megatron_path(self, layer, path, input_, shape_of) -> None:
+        """Say once why a call takes Megatron's path, and count it."""
+        level = logging.DEBUG if path.expected else logging.INFO
+        name = type(layer).__name__
+        log.once((name, path.reason), level, f"{name}: Megatron's own forward is used: {path.reason}")
+        if self.coverage is not None:
+            self.coverage.count(layer, path, input_, shape_of)
+
+
+def _wrap(original, linears: Linears, adapter):
+    """The forward put on a linear class: guard, plan, run CoC's path or Megatron's, count."""
+    shape_of = adapter.shape
+
     @functools.wraps(original)
-    def forward(self, *args, **kwargs):
-        return route(original, self, *args, **kwargs)
+    def forward(self, input_, *args, **kwargs):
+        path = adapter.guard(self, input_, args, kwargs)
+        if path is None:
+            call = adapter.call(original, self, input_, args, kwargs)
+            route = linears.router.plan(call)
+            if not isinstance(route, MegatronPath):
+                output = call.run_coc(call.coc_input, route.kernel if isinstance(route, Fused) else route.chunks)
+                linears.count(call, route, shape_of)
+                return output
+            path = route
+        linears.megatron_path(self, path, input_, shape_of)
+        return original(self, input_, *args, **kwargs)
 
     forward.__coc_inject__ = True
     return forward
@@ -32,7 +79,7 @@ def is_installed() -> bool:
 
 
 def engine():
-    """The active :class:`~coc_inject.megatron_forward.CocEngine`, or None."""
+    """The active :class:`Linears`, or None."""
     installation = job.current()
     return installation.engine if installation is not None else None
 
@@ -44,7 +91,6 @@ def install(config=None, layers_module=None) -> bool:
     re-installs (the forwards close over one engine).
     """
     from coc_inject.config import load_config
-    from coc_inject.megatron_forward import CocEngine
 
     config = config if config is not None else load_config()
     if not config.enabled:
@@ -55,11 +101,10 @@ def install(config=None, layers_module=None) -> bool:
 
         layers_module = importlib.import_module(LAYERS_MODULE)
     installation = job.installation(config)
-    installation.engine = engine_ = CocEngine(config, installation)
-    routes = {"ColumnParallelLinear": engine_.column_forward, "RowParallelLinear": engine_.row_forward}
+    installation.engine = linears = Linears(config, installation)
     for name in PATCHED:
         cls = getattr(layers_module, name)
-        forward = _wrap(installation.patches.original(cls, "forward"), routes[name])
+        forward = _wrap(installation.patches.original(cls, "forward"), linears, linears.adapters[name])
         installation.patches.patch(cls, "forward", forward)
         installation.patched_forwards[cls] = forward
     installation.armed_coverage()

@@ -2,8 +2,7 @@
 
 A ``LayerCase`` names a tensor-parallel linear call the engine handles (the tuner's keys, the
 tune cache, ``bench`` and ``tune`` use the same names). A route is where one call goes: CoC's
-chunked pipeline (``Chunked``), a fused kernel (``Fused``), ``COC_PARALLEL_NUM=auto``'s trials
-(``Tuned``, decided into one of the others), Megatron's own forward (``MegatronPath``), or, for
+chunked pipeline (``Chunked``), a fused kernel (``Fused``), Megatron's own forward (``MegatronPath``), or, for
 attention, ``AttentionRoute``; for a TransformerBlock, ``CopiesRoute``; for an MoE layer, ``MoERoute``. The engine plans with them and the coverage counts them as
 dict keys, so each is frozen and hashes by what the report shows.
 
@@ -59,13 +58,6 @@ class Fused:
     name: ClassVar[str] = "fused"
     backend: str
     kernel: object = field(default=None, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class Tuned:
-    """COC_PARALLEL_NUM=auto: the tuner decides this call's key (trials at its first call)."""
-
-    name: ClassVar[str] = "tuned"
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,12 @@ class CocConfigBehaviour:
         digest = hashlib.blake2b(canonical.encode("utf-8"), digest_size=8).digest()
         return int.from_bytes(digest, "big") & (2**63 - 1)
 
+    def exported_environment(self) -> dict:
+        """The variables this config sets for the libraries it drives (the rows' ``exports``, of the
+        settings that are on)."""
+        return {name: value for row in table.FIELDS if row.exports and getattr(self, row.field)
+                for name, value in row.exports}
+
     def describe(self) -> dict:
         """Plain JSON-able dict for display: the derived ``mode``, ``enabled`` and ``cp_algorithm``,
         then every field in table order."""

@@ -49,6 +49,7 @@ class Setting:
     compared: bool = True  # part of CocConfig's equality and hash
     environ_default: Callable | None = None  # the default when unset, read from other variables
     variable_note: str = ""  # said after the meaning in the variable table only
+    exports: tuple = ()  # (variable, value) pairs set in the process's environment when the setting is on
 
     @property
     def env_allowed(self) -> str:
@@ -140,7 +141,11 @@ SETTINGS = (
     Setting("COC_DETERMINISTIC", "deterministic", SWITCH, False,
             "Ask the fused backends for their deterministic mode (sets LCCL_DETERMINISTIC=1 for ATB and "
             "HCCL_DETERMINISTIC=true for HCCL/MC2 before the first kernel); the chunked pipeline is always "
-            "deterministic.", agreed=WHEN_SET),
+            "deterministic.", agreed=WHEN_SET,
+            # Read when the first communicator is built, so set before any kernel: ATB's LCCL (deterministic
+            # tiling of its all-reduce) and HCCL (deterministic reductions; whether that covers the MC2 ops
+            # is unconfirmed, docs/fused-backends.md §4).
+            exports=(("LCCL_DETERMINISTIC", "1"), ("HCCL_DETERMINISTIC", "true"))),
     Setting("COC_ALLOW_UNTESTED_MEGATRON", "allow_untested_megatron", SWITCH, False,
             "Patch a megatron-core release outside the tested range, or one whose release cannot be determined, "
             "anyway (one warning says it is untested); without it such a release is left unpatched with one "

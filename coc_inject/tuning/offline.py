@@ -37,7 +37,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from coc_inject import log, patching
+from coc_inject import job, log, patching
 from coc_inject.bench import ranks
 from coc_inject.tuning import offline_attention as tune_attention, offline_moe, offline_report as tune_report
 from coc_inject.bench.ranks import Setup
@@ -357,7 +357,7 @@ def _tune_linears(plan, dtype, device) -> dict:
             out.backward(torch.ones_like(out))
             group = layer.tp_group
             del layer, x, out
-        decisions = dict(patching.engine().tuner.decisions) if patching.engine().tuner is not None else {}
+        decisions = dict(job.current().decisions(job.LINEARS))
     finally:
         patching.uninstall()
     return {"decisions": decisions, "identity": hardware_identity(device, group)}

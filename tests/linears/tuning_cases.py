@@ -31,9 +31,8 @@ def auto_call(kind, *, sequence_parallel, cache=None, deterministic=False, skew=
     """Unpatched vs auto on the same layer; ``skew``: {rank: (chunk counts, seconds)} delays.
 
     Returns errors, decisions (chunks, source), CoC calls and the log."""
-    from coc_inject import log, patching
+    from coc_inject import job, log, patching
     from coc_inject.config import AUTO, CocConfig
-    from coc_inject.tuning.online import Tuner, cache_for
 
     patching.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
@@ -48,14 +47,13 @@ def auto_call(kind, *, sequence_parallel, cache=None, deterministic=False, skew=
     log.logger.addHandler(handler)
     assert patching.install(config)
     try:
-        engine = patching.engine()
-        engine.tuner = Tuner(config, cache_for(config))
+        tuner = job.current().tuner(job.LINEARS)
         mine = (skew or {}).get(dist.get_rank())
         if mine:
-            _skewing(engine.tuner, *mine)
+            _skewing(tuner, *mine)
         results = [run_layer(layer, x)[0] for _ in range(calls)]
-        decisions = [(d.chunks, d.source) for d in engine.tuner.decisions.values()]
-        calls_made = engine.calls
+        decisions = [(d.chunks, d.source) for d in tuner.decisions.values()]
+        calls_made = patching.engine().calls
     finally:
         patching.uninstall()
         log.logger.removeHandler(handler)

@@ -169,11 +169,11 @@ def train_linears_choice(slow_ranks=(0, 2), **kwargs):
     """Copies 2 with COC_PARALLEL_NUM=auto, the trials of the copies with CoC's chunks inside half a
     second slower on ``slow_ranks`` only: the decisions, and the reasons the CoC engine gave for
     running Megatron's path outside the trials, come back with the training."""
-    from coc_inject import megatron_forward
+    from coc_inject.linear_router import LinearRouter
     from coc_inject.config import AUTO
 
     reasons = set()
-    plan = megatron_forward.CocEngine.plan
+    plan = LinearRouter.plan
 
     def recording(self, call):
         route = plan(self, call)
@@ -181,12 +181,12 @@ def train_linears_choice(slow_ranks=(0, 2), **kwargs):
             reasons.add(getattr(route, "reason", None))
         return route
 
-    megatron_forward.CocEngine.plan = recording
+    LinearRouter.plan = recording
     tuner = skewed_tuner(0.5 if dist.get_rank() in slow_ranks else 0, slow_baseline=True)
     try:
         result = train(copies=2, chunks=AUTO, tuner=tuner, **kwargs)
     finally:
-        megatron_forward.CocEngine.plan = plan
+        LinearRouter.plan = plan
     result["decisions"] = [decision.choice for decision in tuner.decisions.values()]
     result["megatron_reasons"] = sorted(reason for reason in reasons if reason)
     return result

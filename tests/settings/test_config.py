@@ -948,3 +948,9 @@ def test_mindspeed_moe_overlap_flag_reads_as_1_and_leaves_argv():
     assert load_config({"COC_MOE_OVERLAP": "1"}, cp_flags=flags).moe_overlap == "1"
     assert "disagrees with COC_MOE_OVERLAP=auto" in str(error_of({"COC_MOE_OVERLAP": "auto"}, cp_flags=flags))
     assert load_config({"COC_MOE_OVERLAP": "auto"}).fingerprint() != load_config({}).fingerprint()
+
+
+def test_deterministic_exports_the_backends_variables_and_nothing_else_does():
+    assert load_config({"COC_PARALLEL_NUM": "4"}).exported_environment() == {}
+    on = load_config({"COC_PARALLEL_NUM": "4", "COC_DETERMINISTIC": "1"})
+    assert on.exported_environment() == {"LCCL_DETERMINISTIC": "1", "HCCL_DETERMINISTIC": "true"}

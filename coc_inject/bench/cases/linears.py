@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from coc_inject import patching
+from coc_inject import job, patching
 from coc_inject.bench import engine, ranks, report, startup
 from coc_inject.bench.cases import linears_figures as figures
 from coc_inject.config import AUTO, CocConfig
-from coc_inject.pipeline import collectives, schedules
+from coc_inject.pipeline import agreement, collectives, schedules
 from coc_inject.routes import LayerCase
 
 
@@ -78,13 +78,14 @@ def _install(variant: str, layer=None, auto=None) -> None:
         return
     if variant == AUTO_VARIANT:
         patching.install(auto[0])
-        patching.engine().tuner = auto[1]
+        if auto[1] is not None:  # the decided tuner, handed to the new installation
+            job.current().tuners[job.LINEARS] = auto[1]
     elif variant == "N=1":  # Megatron's own path behind the wrapper: the wrapper's cost ((1,1,1) never matches)
         patching.install(CocConfig(parallel_num=1, customized_coc={(1, 1, 1): 2}))
     else:
         patching.install(CocConfig(parallel_num=int(variant.split("=")[1]), enable_coc_in_column_backward=True))
     if layer is not None:
-        patching.engine().ensure_agreement(layer.tp_group, layer.weight.device)
+        agreement.ensure_same_config(layer.tp_group, job.current().config, layer.weight.device)
 
 
 def _comm_only(case: BenchCase, layer, x, group):
@@ -112,7 +113,7 @@ def decide_auto(layer, x, config) -> tuple:
         out, _ = layer(x.clone().requires_grad_(True))
         out.backward(torch.ones_like(out))
         layer.zero_grad(set_to_none=True)
-        tuner = patching.engine().tuner
+        tuner = job.current().tuners.get(job.LINEARS)
     finally:
         patching.uninstall()
     if tuner is None or len(tuner.decisions) != 1:

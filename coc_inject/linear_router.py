@@ -1,0 +1,115 @@
+"""The linears' router: one Row / Column call that passed its guards -> its route.
+
+``plan(call)`` gives CoC's chunked pipeline (``Chunked``), a fused kernel (``Fused``), or Megatron's
+path with a reason (``MegatronPath``: 1 chunk configured for the shape, the copies chose Megatron's
+linears, or ``COC_PARALLEL_NUM=auto`` measured Megatron's path fastest). It knows no Megatron
+attribute: the call carries its shape and two runners, which the auto tuner's trials use.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from coc_inject import copy_context, job, log
+from coc_inject.config import AUTO, CocConfig
+from coc_inject.pipeline import agreement
+from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, Chunked, Fused, LayerCase, MegatronPath
+
+# Chunk count of a fused kernel's backward pipelines when COC_PARALLEL_NUM names none.
+FUSED_FALLBACK_CHUNKS = 4
+
+
+@dataclass
+class LinearCall:
+    """One Row or Column forward call, as the router needs it (made by linear_adapters)."""
+
+    layer: object
+    case: LayerCase
+    shape: tuple  # [m, k, n]
+    coc_input: torch.Tensor  # what CoC multiplies (Row: after Megatron's scatter of a non-parallel input)
+    megatron_input: torch.Tensor  # what Megatron's own forward takes
+    weight: torch.Tensor
+    rows: int  # the row count its chunks split (per rank under SP)
+    fused_op: str | None  # the op a fused kernel would run; None: this forward has no communication to fuse
+    run_coc: Callable  # (input, chunk count or FusedKernel) -> the forward's (output, bias): CoC's path
+    run_megatron: Callable  # (input) -> the forward's (output, bias): Megatron's path (the tuner's trials)
+
+    @property
+    def group(self):
+        return self.layer.tp_group
+
+
+class LinearRouter:
+    """Plans the linears' calls for one resolved configuration, in one installation (coc_inject.job)."""
+
+    def __init__(self, config: CocConfig, installation):
+        self.config = config
+        self.installation = installation
+
+    def plan(self, call: LinearCall):
+        """The route of a call that passed its guards: Chunked, Fused, or MegatronPath."""
+        m, k, n = call.shape
+        chunks = self.config.chunks_for(m, k, n)
+        if chunks == 1:
+            return MegatronPath(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
+        if chunks == AUTO and not copy_context.linears_chunked():
+            return MegatronPath(COPIES_CHOSE_MEGATRON, expected=True)
+        agreement.ensure_same_config(call.group, self.config, call.coc_input.device)
+        if chunks == -1:
+            return self._fused(call)
+        return self._tuned(call) if chunks == AUTO else Chunked(chunks)
+
+    def _unfused(self, call: LinearCall):
+        """Where a fused kernel was asked for but cannot run: COC_PARALLEL_NUM's count if it names
+        one, else auto."""
+        return Chunked(self.config.parallel_num) if self.config.parallel_num > 1 else self._tuned(call)
+
+    def _fused(self, call: LinearCall):
+        """A Fused route if a fused backend can run this call; otherwise say why once and chunk."""
+        if call.fused_op is None:  # no communication to fuse in this forward; the backward is chunked
+            return self._unfused(call)
+        from coc_inject.fused import registry
+        from coc_inject.pipeline.functions import FusedKernel
+
+        count = self.config.parallel_num if self.config.parallel_num > 1 else None
+        op, x2d = call.fused_op, call.coc_input.reshape(-1, call.coc_input.shape[-1])
+        backend = registry.select(op, x2d, call.weight, call.group, self.config.fused_backend, "CoC",
+                                  "using the chunked pipeline with "
+                                  + (f"{count} chunks" if count else "auto-tuned chunks"))
+        if backend is None:
+            return self._unfused(call)
+        log.once(("fused", op, backend.name), logging.INFO, f"{op}: fused kernel {backend.name}")
+        # The fused forward's backward pipelines need a count before any call is tuned.
+        return Fused(backend.name, FusedKernel(backend, count or FUSED_FALLBACK_CHUNKS))
+
+    def _tuned(self, call: LinearCall):
+        """COC_PARALLEL_NUM=auto: the count decided for this call's key (trials on its first call),
+        or MegatronPath when that is Megatron's own path (N=1)."""
+        from coc_inject.tuning.online import DecisionKey
+
+        layer, coc_input, weight, group = call.layer, call.coc_input, call.weight, call.group
+        backward = torch.is_grad_enabled() and (coc_input.requires_grad or weight.requires_grad)
+        key = DecisionKey(call.case, *call.shape, str(coc_input.dtype).replace("torch.", ""), group.size(),
+                          coc_input.device.type, backward)
+
+        def run(chunks: int) -> None:
+            # Detached input and gradient_accumulation_fusion off: a trial touches no parameter
+            # gradient (autograd.grad returns only the input's), whichever path it runs.
+            x = (call.megatron_input if chunks == 1 else coc_input).detach().requires_grad_(backward)
+            fusion, layer.gradient_accumulation_fusion = layer.gradient_accumulation_fusion, False
+            try:
+                output = (call.run_megatron(x) if chunks == 1 else call.run_coc(x, chunks))[0]
+                if backward:
+                    torch.autograd.grad(output, [x], torch.ones_like(output))
+            finally:
+                layer.gradient_accumulation_fusion = fusion
+
+        chunks = self.installation.tuner(job.LINEARS).chunks(key, group, coc_input.device, call.rows, run)
+        if chunks == 1:
+            m, k, n = call.shape
+            return MegatronPath(f"{AUTO_CHOSE_MEGATRON} (N=1) for [{m}, {k}, {n}]", expected=True)
+        return Chunked(chunks)
