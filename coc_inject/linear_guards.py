@@ -37,6 +37,19 @@ GUARDS = (
 )
 
 
+# The reasons that do not depend on the call: made once (a path is counted at every call it takes).
+TP_SIZE_1 = MegatronPath("tensor-parallel size 1: no collective to overlap", expected=True)
+EXPERT_LAYER = MegatronPath("expert layer: its communication is done by the MoE token dispatcher", expected=True)
+CPU_OFFLOADING = MegatronPath("activation CPU offloading is active for this call")
+UNKNOWN_ARGUMENTS = MegatronPath("unknown forward arguments (newer Megatron?)")
+DEFERRED_WGRAD = MegatronPath("defer_embedding_wgrad_compute keeps its own wgrad buffers")
+NO_GRAD_REDUCE = MegatronPath("disable_grad_reduce: the caller reduces gradients itself", expected=True)
+NO_WEIGHT = MegatronPath("no weight supplied (skip_weight_param_allocation)")
+COLUMN_WITHOUT_SP = MegatronPath(
+    "no sequence parallelism: forward has no communication and Megatron already overlaps the backward "
+    "all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 chunks it)", expected=True)
+
+
 def _weight_fallback(layer, weight, expected: tuple) -> MegatronPath | None:
     gtp = getattr(layer, "gtp_remat_size", 1)
     if isinstance(gtp, int) and gtp > 1:
@@ -51,12 +64,12 @@ def _weight_fallback(layer, weight, expected: tuple) -> MegatronPath | None:
 def _common_fallback(layer, input_: torch.Tensor) -> MegatronPath | None:
     tp_size = layer.tp_group.size() if layer.tp_group is not None else 1
     if tp_size <= 1:
-        return MegatronPath("tensor-parallel size 1: no collective to overlap", expected=True)
+        return TP_SIZE_1
     if getattr(layer, "explicit_expert_comm", False):
-        return MegatronPath("expert layer: its communication is done by the MoE token dispatcher", expected=True)
+        return EXPERT_LAYER
     offload = getattr(layer.config, "_cpu_offloading_context", None)
     if offload is not None and getattr(offload, "inside_context", False):
-        return MegatronPath("activation CPU offloading is active for this call")
+        return CPU_OFFLOADING
     if not input_.is_floating_point():
         return MegatronPath(f"input dtype {input_.dtype} is not floating point")
     return None
@@ -65,7 +78,7 @@ def _common_fallback(layer, input_: torch.Tensor) -> MegatronPath | None:
 def row_guards(layer, input_, args, kwargs) -> MegatronPath | None:
     """Why a RowParallelLinear call must take Megatron's path, or None."""
     if args or kwargs:
-        return MegatronPath("unknown forward arguments (newer Megatron?)")
+        return UNKNOWN_ARGUMENTS
     path = _common_fallback(layer, input_) or _weight_fallback(
         layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
     if path is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
@@ -76,23 +89,20 @@ def row_guards(layer, input_, args, kwargs) -> MegatronPath | None:
 def column_guards(config, layer, input_, weight, args, kwargs) -> MegatronPath | None:
     """Why a ColumnParallelLinear call must take Megatron's path, or None."""
     if args or kwargs:
-        return MegatronPath("unknown forward arguments (newer Megatron?)")
+        return UNKNOWN_ARGUMENTS
     path = _common_fallback(layer, input_)
     if path is not None:
         return path
     if layer.config.defer_embedding_wgrad_compute:
-        return MegatronPath("defer_embedding_wgrad_compute keeps its own wgrad buffers")
+        return DEFERRED_WGRAD
     if getattr(layer, "disable_grad_reduce", False):
-        return MegatronPath("disable_grad_reduce: the caller reduces gradients itself", expected=True)
+        return NO_GRAD_REDUCE
     if not layer.sequence_parallel and not config.enable_coc_in_column_backward:
-        return MegatronPath(
-            "no sequence parallelism: forward has no communication and Megatron already "
-            "overlaps the backward all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 "
-            "chunks it)", expected=True)
+        return COLUMN_WITHOUT_SP
     output_dtype = getattr(layer, "output_dtype", None)
     if output_dtype is not None and output_dtype != input_.dtype:
         return MegatronPath(f"output_dtype {output_dtype} differs from the input dtype {input_.dtype}")
     matrix = layer.weight if weight is None else weight
     if matrix is None:
-        return MegatronPath("no weight supplied (skip_weight_param_allocation)")
+        return NO_WEIGHT
     return _weight_fallback(layer, matrix, (layer.output_size_per_partition, layer.input_size))

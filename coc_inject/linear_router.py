@@ -21,6 +21,7 @@ from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, Chunke
 
 # Chunk count of a fused kernel's backward pipelines when COC_PARALLEL_NUM names none.
 FUSED_FALLBACK_CHUNKS = 4
+COPIES_CHOSE_MEGATRON_PATH = MegatronPath(COPIES_CHOSE_MEGATRON, expected=True)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class LinearRouter:
         if chunks == 1:
             return MegatronPath(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
         if chunks == AUTO and not copy_context.linears_chunked():
-            return MegatronPath(COPIES_CHOSE_MEGATRON, expected=True)
+            return COPIES_CHOSE_MEGATRON_PATH
         agreement.ensure_same_config(call.group, self.config, call.coc_input.device)
         if chunks == -1:
             return self._fused(call)

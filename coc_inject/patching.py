@@ -32,15 +32,13 @@ class Linears:
         self.adapters = {name: adapter(config) for name, adapter in ADAPTERS.items()}
         self.calls = 0  # calls CoC ran (status / tests); Megatron's path is not counted here
         self.coverage = installation.armed_coverage()
-        self._counted_chunks: dict = {}  # one route object per count: no allocation per call
 
     def count(self, call, route, shape_of) -> None:
         """Count a call CoC ran; a chunked one by the chunks its rows really split into."""
         self.calls += 1
         if self.coverage is not None:
-            if isinstance(route, Chunked):
-                chunks = effective_chunks(call.rows, route.chunks)
-                route = self._counted_chunks.get(chunks) or self._counted_chunks.setdefault(chunks, Chunked(chunks))
+            if isinstance(route, Chunked) and call.rows < route.chunks:
+                route = Chunked(effective_chunks(call.rows, route.chunks))
             self.coverage.count(call.layer, route, call.megatron_input, shape_of)
 
     def megatron_path(self, layer, path, input_, shape_of) -> None:

@@ -43,12 +43,36 @@ class LayerCase(str, enum.Enum):
 CASE_NAMES = tuple(case.value for case in LayerCase)
 
 
-@dataclass(frozen=True)
-class Chunked:
+class _Interned:
+    """One object per value (``Chunked(4) is Chunked(4)``), so the route hashes and compares by
+    identity, in C: the linears' routes are counted at every call, and a dataclass's generated
+    hash and equality are Python calls. The value is the constructor's arguments, positional."""
+
+    _made: ClassVar[dict]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._made = {}
+
+    def __new__(cls, *value):
+        made = cls._made.get(value)
+        if made is None:
+            made = cls._made[value] = super().__new__(cls)
+        return made
+
+    def __reduce__(self):
+        return type(self), self._value()
+
+
+@dataclass(frozen=True, eq=False)
+class Chunked(_Interned):
     """CoC's chunked pipeline with ``chunks`` chunks."""
 
     name: ClassVar[str] = "chunked"
     chunks: int
+
+    def _value(self) -> tuple:
+        return (self.chunks,)
 
 
 @dataclass(frozen=True)
@@ -60,13 +84,19 @@ class Fused:
     kernel: object = field(default=None, compare=False, repr=False)
 
 
-@dataclass(frozen=True)
-class MegatronPath:
+@dataclass(frozen=True, eq=False)
+class MegatronPath(_Interned):
     """Megatron's own forward, and why. ``expected`` ones are logged at debug only."""
 
     name: ClassVar[str] = "megatron"
     reason: str
-    expected: bool = field(default=False, compare=False)
+    expected: bool = False
+
+    def __new__(cls, reason: str, expected: bool = False):  # the value positional, whichever way it is given
+        return super().__new__(cls, reason, expected)
+
+    def _value(self) -> tuple:
+        return self.reason, self.expected
 
 
 # The start of a MegatronPath's reason when COC_PARALLEL_NUM=auto measured Megatron's own path

@@ -1,8 +1,9 @@
 """The hot path of the coverage: each layer call counted under its route, per live layer.
 
-One dict lookup and one increment per call (``make bench-accounting`` measures it). A route is
-one of :mod:`coc_inject.routes`' frozen dataclasses, so the totals below ask for a kind of route
-by its type, never by a slot of a key.
+One dict lookup by route and one increment per call (``make bench-accounting`` measures it): a
+route's hash is a Python call (a frozen dataclass's), so each call hashes it once, into a one-slot
+tally. A route is one of :mod:`coc_inject.routes`' frozen dataclasses, so the totals below ask
+for a kind of route by its type, never by a slot of a key.
 """
 
 from __future__ import annotations
@@ -20,8 +21,13 @@ class LayerRecord:
     layer: weakref.ref
     cls: str
     shape: list  # [m, k, n] of its first call ([] for attention)
-    routes: dict = field(default_factory=dict)
+    tallies: dict = field(default_factory=dict)  # route -> [calls]
     name: str | None = None
+
+    @property
+    def routes(self) -> dict:
+        """{route: calls}."""
+        return {route: tally[0] for route, tally in self.tallies.items()}
 
 
 def _no_shape(layer, input_) -> list:
@@ -39,8 +45,11 @@ class Counts:
         record = self.records.get(id(layer))
         if record is None or record.layer() is not layer:
             record = self._new_record(layer, input_, shape_of)
-        routes = record.routes
-        routes[route] = routes.get(route, 0) + 1
+        tally = record.tallies.get(route)
+        if tally is None:
+            record.tallies[route] = [1]
+        else:
+            tally[0] += 1
 
     def count_attention(self, layer, route: AttentionRoute) -> None:
         self.count(layer, route, None, _no_shape)
@@ -74,10 +83,10 @@ class Counts:
         return found
 
     def coc_layers(self) -> int:
-        return sum(1 for r in self.all_records() if any(isinstance(route, (Chunked, Fused)) for route in r.routes))
+        return sum(1 for r in self.all_records() if any(isinstance(route, (Chunked, Fused)) for route in r.tallies))
 
     def any_call(self) -> bool:
-        return any(r.routes for r in self.all_records())
+        return any(r.tallies for r in self.all_records())
 
     def megatron_reasons(self) -> dict:
         """{reason: calls} of the calls that went to Megatron's own forward, in first-seen order."""
