@@ -26,13 +26,13 @@ LAYER_SUITES := tests/linears/test_layers_tp2.py tests/linears/test_layers_tp4.p
 # Context parallelism on the older releases: the CP=2 GPT cases and the construction errors. TEST_SCOPE=older-release
 # skips the cases marked newest_only (tests/scope.py): coc-inject's own logic, tested once on the newest release.
 CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_copy.py
-# MoE on the older releases: every case but expert biases (0.13 refuses them for MoE).
-MOE_SUITES := tests/moe/test_moe.py
+# MoE on the older releases: every case but expert biases (0.13 refuses them for MoE); the self-test of every wing.
+MOE_SUITES := tests/moe/test_moe.py tests/selftest/test_selftest.py
 
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash clean
+.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash device-check clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -92,6 +92,25 @@ bench-attention: $(VENV)/.installed
 
 bench-attention-link: $(VENV)/.installed
 	$(VENV)/bin/coc-inject bench --cases attention --link $(LINK) --reps 30 --out benchmarks/out/attention-link-$(LINK)
+
+# On a machine with GPUs (a lent device machine, or yours): what `make test` cannot check here. The
+# machine's own python3 and CUDA torch; megatron-core (and anything else missing) from wheels put in
+# .whl/ where it has no network. The self-test under torchrun on every GPU (one GPU: the attention
+# kernels and the fused backends; the multi-rank wings say why not), then every wing on 2 CPU ranks of
+# the same machine. The JSON files (device, versions, every case) land in $(DEVICE_OUT).
+DEVICE_PYTHON ?= python3
+DEVICE_OUT ?= benchmarks/out/device
+GPUS ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
+DEVICE_SITE ?= /tmp/coc-device-site
+
+device-check:
+	mkdir -p $(DEVICE_OUT) $(DEVICE_SITE)
+	if ls .whl/*.whl >/dev/null 2>&1; then $(DEVICE_PYTHON) -m pip install -q --no-index --no-deps --no-compile \
+		--upgrade --target $(DEVICE_SITE) .whl/*.whl; fi
+	test "$(GPUS)" -ge 1 || { echo "device-check: no GPU found (nvidia-smi -L); GPUS=N to say how many"; exit 2; }
+	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(DEVICE_PYTHON) -m torch.distributed.run --nproc-per-node $(GPUS) \
+		-m coc_inject.selftest --json $(DEVICE_OUT)/selftest-gpu.json
+	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(DEVICE_PYTHON) -m coc_inject selftest --json $(DEVICE_OUT)/selftest-cpu.json
 
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
 # requirements when $(2) skips them) + this package (a regular, non-editable install:

@@ -13,7 +13,7 @@
 * ``tune [...]``: ``COC_PARALLEL_NUM=auto``'s (and with ``--cp``, ``COC_CP_ALGO=auto``'s) decisions for
   given shapes / model dimensions, made ahead of a job into the tune cache, and the equivalent fixed
   settings (coc_inject.tuning.offline).
-* ``selftest [...]``: each available backend vs the unfused result (coc_inject.selftest).
+* ``selftest [...]``: every wing against the truth on this machine's devices (coc_inject.selftest).
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("tune", help="pre-tune COC_PARALLEL_NUM=auto (and, with --cp, COC_CP_ALGO=auto) for shapes "
                         "/ model dimensions into the tune cache; prints the equivalent fixed settings "
                         "(coc-inject tune -h)")
-    commands.add_parser("selftest", help="every available backend vs the unfused result (coc-inject selftest -h)")
+    commands.add_parser("selftest", help="every wing against the truth on your devices (coc-inject selftest -h)")
     return parser
 
 
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
 
         return tune_main(argv[1:])
     if argv[:1] == ["selftest"]:
-        from coc_inject.selftest import main as selftest_main
+        from coc_inject.selftest.run import main as selftest_main
 
         return selftest_main(argv[1:])
     args = build_parser().parse_args(argv)

@@ -40,6 +40,7 @@ class Setup:
     ep: int = 1
     megatron: bool = True
     command: str = "coc-inject bench"
+    device_variable: str = "COC_BENCH_DEVICE"  # under torchrun, "npu" in it picks the Ascend NPU
 
 
 def under_torchrun() -> bool:
@@ -186,14 +187,15 @@ def run_local(setup: Setup, work, payload):
 
 def run_torchrun(setup: Setup, work, payload):
     """Under torchrun: this process is one rank of the job, on its accelerator; Megatron's parallel
-    state as initialize_megatron makes it. Rank 0's result; None on the other ranks."""
+    state as initialize_megatron makes it (unless ``setup.megatron`` is False). Rank 0's result; None on the other ranks."""
     import torch.distributed as dist
 
-    device, backend = torchrun_device("COC_BENCH_DEVICE")
+    device, backend = torchrun_device(setup.device_variable)
     if device.type == "cpu":
         _cpu_current_device()
     dist.init_process_group(backend)
-    initialize_megatron(setup, dist.get_world_size())
+    if setup.megatron:
+        initialize_megatron(setup, dist.get_world_size())
     try:
         return work(payload, device)
     finally:

@@ -104,22 +104,42 @@ def test_fake_enforces_the_atb_contract(pool2):
     assert "fp16/fp16 or bf16/bf16" in refused["fp32"]
 
 
-def test_selftest_runs_the_fused_backend_it_finds():
+def _selftest_with_fakes(tmp_path, **environ):
+    import json
     import os
-    import re
     import subprocess
     import sys
 
     from fused_cases import FAKES
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAKES, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "coc_inject", "selftest", "--dtype", "bfloat16", "--reps", "1",
-                           "--chunks", "2", "--shape", "64", "32", "48"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([FAKES, os.environ.get("PYTHONPATH", "")]), **environ)
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "selftest", "--cases", "linears", "--dtype", "bfloat16",
+                           "--reps", "1", "--chunks", "2", "--shape", "64", "32", "48", "--json",
+                           str(tmp_path / "st.json")], env=env, capture_output=True, text=True, timeout=300)
+    return proc, json.loads((tmp_path / "st.json").read_text())
+
+
+def test_selftest_runs_the_fused_backend_it_finds(tmp_path):
+    proc, result = _selftest_with_fakes(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    fused = dict(re.findall(r"^fused atb\s+(\S+)\s+(\S+)", proc.stdout, flags=re.M))
+    fused = {r["case"]: r["error"] for r in result["cases"] if r["backend"] == "fused atb"}
     assert set(fused) == {"matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul"}
-    assert all(float(error) <= 2.0**-6 for error in fused.values())
+    assert all(error <= 2.0**-6 for error in fused.values())
+
+
+def test_selftest_fails_and_names_a_wrong_fused_kernel(tmp_path):
+    # The fake ATB kernel's reduce-scatter is made 5% wrong: the self-test must exit 1 and name that case only.
+    proc, result = _selftest_with_fakes(tmp_path, FAKE_ATB_WRONG="LINEAR_REDUCE_SCATTER")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result["passed"] is False
+    *named, summary = [line for line in proc.stdout.splitlines() if line.startswith("FAIL: ")]
+    assert result["failures"] == [line.removeprefix("FAIL: ") for line in named]
+    assert summary.startswith("FAIL: 6 of 7 cases within their bounds")
+    assert len(result["failures"]) == 1 and result["failures"][0].startswith(
+        "linears matmul_reduce_scatter [fused atb, bfloat16]: output ")
+    wrong = [r for r in result["cases"] if "skipped" not in r and not r["passed"]]
+    assert [(r["case"], r["backend"]) for r in wrong] == [("matmul_reduce_scatter", "fused atb")]
+    assert wrong[0]["error"] > 2.0**-6
 
 
 # MC2 (torch_npu) pinned with COC_FUSED_BACKEND=mc2; k >= 256 as MC2 requires.

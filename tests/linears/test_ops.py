@@ -38,17 +38,18 @@ def test_bad_arguments_name_the_argument(pool2):
     assert "antiquant scale shape=(3,) is invalid" in messages[3]
 
 
-def test_selftest_command_checks_every_case():
-    import re
+def test_selftest_command_checks_every_case(tmp_path):
+    import json
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "coc_inject", "selftest", "--shape", "64", "32", "48",
-                           "--reps", "1", "--chunks", "3"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "selftest", "--cases", "linears", "--shape", "64", "32",
+                           "48", "--reps", "1", "--chunks", "3", "--json", str(tmp_path / "st.json")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = re.findall(r"^chunked N=3\s+(\S+)\s+(\S+)", proc.stdout, flags=re.M)
-    assert {case for case, _ in rows} == {"matmul_all_reduce", "matmul_reduce_scatter",
-                                          "all_gather_matmul", "w8a16_matmul_all_reduce"}
-    assert all(float(error) <= 1e-5 for _, error in rows)
-    assert re.search(r"^fused atb .* not run: torch_atb is not installed", proc.stdout, flags=re.M)
+    rows = json.loads((tmp_path / "st.json").read_text())["cases"]
+    chunked = {r["case"]: r["error"] for r in rows if r["backend"] == "chunked N=3"}
+    assert set(chunked) == {"matmul_all_reduce", "matmul_reduce_scatter", "all_gather_matmul", "w8a16_matmul_all_reduce"}
+    assert all(error <= 1e-5 for error in chunked.values())
+    assert any(r["backend"] == "fused atb" and "torch_atb is not installed" in r.get("skipped", "") for r in rows)
     assert proc.stdout.strip().splitlines()[-1].startswith("PASS")

@@ -19,6 +19,8 @@ import torch.distributed as dist
 COC_FAKE_DEVICE_TYPE = "cpu"  # the device type this fake emulates (the real one: "npu")
 CALLS: list = []  # (type name, trans_weight, keep_intermediate, input shapes) per forward
 CREATED: list = []  # LCCL_DETERMINISTIC as seen when each Operation was created
+# A wrong kernel on purpose (the self-test must catch it): the ParallelType name whose output is off by 5%.
+WRONG = os.environ.get("FAKE_ATB_WRONG")
 
 
 class CommMode(enum.IntEnum):
@@ -106,6 +108,12 @@ class Operation:
         CREATED.append(os.environ.get("LCCL_DETERMINISTIC"))
 
     def forward(self, tensors):
+        outputs = self._forward(tensors)
+        if WRONG == self.param.type.name:
+            outputs[0] = outputs[0] * 1.05
+        return outputs
+
+    def _forward(self, tensors):
         param, types = self.param, LinearParallelParam.ParallelType
         if len(tensors) != 2:
             raise RuntimeError(f"expected [x, weight], got {len(tensors)} tensors")

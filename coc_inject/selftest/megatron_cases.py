@@ -1,0 +1,136 @@
+"""What the multi-copy and MoE cases share: Megatron's parallel state for one wing, the collectives'
+recorder, and one step run as Megatron does it and with coc-inject installed, compared."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+from coc_inject.selftest import common
+
+
+@contextlib.contextmanager
+def megatron_state(ctx, **sizes):
+    """Megatron's parallel state for this wing only; no installation and no state left behind."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from coc_inject import job
+    from coc_inject.bench import ranks
+
+    if ctx.device.type == "cpu":
+        ranks._cpu_current_device()  # Megatron allocates its SP buffers on torch.cuda.current_device()
+    before = set(dist.distributed_c10d._world.pg_map)
+    parallel_state.destroy_model_parallel()
+    try:
+        parallel_state.initialize_model_parallel(**sizes)
+        yield
+    finally:
+        job.uninstall()
+        parallel_state.destroy_model_parallel()
+        for group in [g for g in dist.distributed_c10d._world.pg_map if g not in before]:
+            dist.destroy_process_group(group)  # Megatron only forgets its groups; gloo's keep a thread each
+
+
+@contextlib.contextmanager
+def recorded(calls: list):
+    """Every collective issued inside, in order: (name, shapes, copy). Entered before coc-inject is
+    installed, it sits beneath coc-inject's wrappers and sees the order calls reach the network."""
+    import importlib
+    import inspect
+
+    import torch.distributed as dist
+
+    from coc_inject import copy_context
+    from coc_inject.multi_copy.collectives import COLLECTIVES, MEGATRON_ALIASES
+    from coc_inject.patches import Patches
+
+    def recording(name, original):
+        def record(*args, **kwargs):
+            first = args[0] if args else next(iter(kwargs.values()))
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            calls.append((name, [tuple(t.shape) for t in tensors if hasattr(t, "shape")],
+                          copy_context.current_copy()))
+            return original(*args, **kwargs)
+
+        record.__wrapped__ = original  # coc-inject finds async_op in the signature through it
+        return record
+
+    patches, wrappers = Patches(), {}
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is not None:
+            wrappers[original] = wrappers[inspect.unwrap(original)] = recording(name, original)
+            patches.patch(dist, name, wrappers[original])
+    for module_name, aliases in MEGATRON_ALIASES.items():  # Megatron binds some at its import
+        module = importlib.import_module(module_name)
+        for alias in aliases:
+            if getattr(module, alias, None) in wrappers:
+                patches.patch(module, alias, wrappers[getattr(module, alias)])
+    try:
+        yield calls
+    finally:
+        patches.restore()
+
+
+def order_error(calls: list, ctx) -> float:
+    """0.0 when every rank recorded the same sequence (a digest of it compared), else 1.0."""
+    import torch
+    import torch.distributed as dist
+
+    digest = int.from_bytes(hashlib.sha256(repr(calls).encode()).digest()[:8], "little", signed=True)
+    mine = torch.tensor([digest], dtype=torch.int64, device=ctx.device)
+    gathered = [torch.zeros_like(mine) for _ in range(ctx.world)]
+    dist.all_gather(gathered, mine, group=ctx.group)
+    return 0.0 if all(int(other.item()) == digest for other in gathered) else 1.0
+
+
+def against_megatron(ctx, step, install, last_route, truth_step=None, order=lambda calls: calls):
+    """The truth: ``truth_step()`` (default ``step()``) as Megatron runs it; ``step()`` timed; then inside
+    ``install()``: ``step()`` recorded (``last_route()`` right after), then timed; coc-inject uninstalled
+    after each. A step returns (output, input grad, {parameter: grad}). -> (errors: output, input grad,
+    param grads (a missing one counts as zeros), collective order of ``order(calls)``; [coc ms, Megatron
+    ms] the MAX over ranks; the calls; the route)."""
+    import torch
+
+    from coc_inject import job
+
+    truth = (truth_step or step)()
+    if truth_step is not None:
+        step()  # the warm-up of Megatron's timing
+    _, reference_ms = common.timed(step, ctx.device, ctx.reps)
+    calls = []
+    with recorded(calls):
+        try:  # coc-inject's wrappers come off before the recorder's
+            install()
+            got, route = step(), last_route()
+        finally:
+            job.uninstall()
+    install()
+    try:
+        _, coc_ms = common.timed(step, ctx.device, ctx.reps)
+    finally:
+        job.uninstall()
+    grads = [common.relative_error(got[2].get(name, torch.zeros_like(want)), want, ctx.group)
+             for name, want in sorted(truth[2].items())]
+    errors = {"output": common.relative_error(got[0], truth[0], ctx.group),
+              "input grad": common.relative_error(got[1], truth[1], ctx.group), "param grads": max(grads),
+              "collective order": order_error(order(calls), ctx)}
+    return errors, [common.max_over_ranks(t, ctx.group, ctx.device) for t in (coc_ms, reference_ms)], calls, route
+
+
+def main_grads(module) -> dict:
+    """{name: gradient}, every backward's share summed in fp32 as Megatron's DDP keeps main_grad (copies
+    and pieces add theirs one by one)."""
+    sums = {}
+
+    def keep(name):
+        def hook(param):
+            sums[name] = param.grad.float() + sums.get(name, 0)
+            param.grad = None
+
+        return hook
+
+    for name, param in module.named_parameters():
+        param.register_post_accumulate_grad_hook(keep(name))
+    return sums

@@ -1,0 +1,70 @@
+"""Multi-copy: one real megatron-core TransformerBlock (2 layers, TP = the world, sequence parallel)
+forward + backward with 2 copies against Megatron's block as it is on the same two halves of the
+micro-batch one after another (gradients summed in fp32 as Megatron's DDP keeps main_grad): output,
+input gradient and parameter gradients (fixed output gradient), that the block ran as copies, that
+every rank issued the same collectives (name, shapes, copy) in the same order; the time of both
+(Megatron's on the whole micro-batch). The halves are the truth as a parameter gradient sums over the
+batch: in bf16 / fp16 two rounded halves differ from one rounded whole by up to the dtype's bound,
+whoever computes them; against the halves the copies are exact in every dtype."""
+
+from __future__ import annotations
+
+from coc_inject.selftest import common
+from coc_inject.selftest.megatron_cases import against_megatron, main_grads, megatron_state
+
+WING = "multi-copy"
+COPIES, LAYERS, BATCH = 2, 2, 2  # the batch splits into the copies
+
+
+def run(ctx) -> list[dict]:
+    case, backend = f"TransformerBlock x{LAYERS} TP={ctx.world} SP", f"{COPIES} copies"
+    ctx.progress(WING, case)
+    if ctx.world < 2:
+        return [common.skipped(WING, case, backend, "world size 1: no tensor-parallel collectives to overlap")]
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as error:
+        return [common.skipped(WING, case, backend, f"megatron-core is not importable ({error})")]
+    with megatron_state(ctx, tensor_model_parallel_size=ctx.world):
+        return [_case(ctx, case, backend)]
+
+
+def _case(ctx, case, backend) -> dict:
+    import types
+
+    import torch
+    from megatron.core.transformer import transformer_block
+
+    from coc_inject.bench.cases.layer import build_block
+    from coc_inject.config import CocConfig
+    from coc_inject.multi_copy import install as copies
+
+    dtype = ctx.torch_dtype()
+    heads = 2 * ctx.world  # TP = the world divides the heads, the hidden and the FFN sizes
+    sizes = types.SimpleNamespace(layers=LAYERS, batch=BATCH, seq=32 * ctx.world, heads=heads, hidden=16 * heads,
+                                  ffn=32 * heads)
+    block, hidden, mask = build_block(sizes)  # also seeds torch and Megatron's RNG tracker
+    block.to(device=ctx.device, dtype=dtype)
+    hidden, mask = hidden.to(ctx.device, dtype), mask.to(ctx.device)
+    grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7 + ctx.rank)).to(ctx.device, dtype)
+
+    grads = main_grads(block)
+
+    def step(cut=1):  # cut: the micro-batch's parts through the block one after another
+        grads.clear()
+        parts = []
+        for part, part_grad in zip(hidden.chunk(cut, dim=1), grad.chunk(cut, dim=1)):
+            x = part.clone().requires_grad_(True)
+            out = block(x, mask)
+            out.backward(part_grad)
+            parts.append((out.detach(), x.grad))
+        return torch.cat([out for out, _ in parts], 1), torch.cat([g for _, g in parts], 1), dict(grads)
+
+    config = CocConfig(multi_copy=COPIES)
+    errors, times, calls, route = against_megatron(ctx, step, lambda: copies.install(config, transformer_block),
+                                                   lambda: getattr(block, "_coc_multi_copy", None),
+                                                   truth_step=lambda: step(COPIES))
+    ran = route is not None and route.copies == COPIES
+    errors["copies ran"] = common.max_over_ranks(float(not ran), ctx.group, ctx.device)
+    return common.row(WING, case, backend, errors, ctx.dtype, *times, collectives=len(calls),
+                      **({} if ran else {"why_not_copies": getattr(route, "reason", "no block call counted")}))
