@@ -32,6 +32,10 @@ REFUSED = {"inference_context": "inference", "inference_params": "inference", "s
            "dynamic_inference_decode_only": "inference"}
 
 
+# Where the copies' backward takes turns on threads. On CUDA and NPU autograd runs a device's nodes on
+# one engine thread that a copy thread must not block: there the copies' backward runs in turn on it.
+THREADED_BACKWARD = ("cpu",)
+
 # What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
 WITHOUT_COPIES = ("a micro-batch not divisible by the copies", "dropout > 0", "MoE layers", "packed sequences",
                   "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs")
@@ -175,7 +179,7 @@ class CopiesRunner:
 
     def _turns(self, work, threaded: bool) -> list:
         if not threaded:  # a device's autograd runs its nodes on one engine thread: the copies one after another
-            return [item() for item in work]
+            return scheduler.InTurn(len(work), chunk_linears=self.split.chunk_linears).run(work)
         return scheduler.CopyRun(len(work), save=rng.save, restore=rng.restore,
                                  chunk_linears=self.split.chunk_linears).run(work)
 
@@ -218,7 +222,7 @@ def run_copies(block, original, arguments: dict, split: Split, params_for_grad: 
     ``torch.autograd.grad`` over them: auto's trials)."""
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     bound_original = original.__get__(block, type(block))
-    runner = CopiesRunner(block, bound_original, arguments, split, threaded_backward=hidden.device.type == "cpu")
+    runner = CopiesRunner(block, bound_original, arguments, split, threaded_backward=hidden.device.type in THREADED_BACKWARD)
     if not torch.is_grad_enabled():
         _, outputs = runner.forward(hidden, grad=False)
         return torch.cat(outputs, dim=1)

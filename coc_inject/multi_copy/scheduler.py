@@ -28,19 +28,13 @@ class CopyAborted(RuntimeError):
     """Another copy failed: this one stops at its next hand-over."""
 
 
-class CopyRun:
-    """One round of ``n`` copies taking turns; :meth:`run` returns each copy's result in order."""
+class _Copies:
+    """What the code inside a copy reads of its run (copy_context.current()): the copy count, whether
+    CoC chunks its linears, whether hand-overs are suspended, and a count of what every copy reports."""
 
-    def __init__(self, n: int, save: Callable[[], object] | None = None, restore: Callable[[object], None] | None = None,
-                 chunk_linears: bool = True):
+    def __init__(self, n: int, chunk_linears: bool = True):
         self.n = n
         self.chunk_linears = chunk_linears
-        self._save, self._restore = save, restore
-        self._turn = 0
-        self._done = [False] * n
-        self._failed: BaseException | None = None
-        self._cond = threading.Condition()
-        self._saved: list = [None] * n
         self.alone = 0  # > 0: hand-overs are suspended (alone())
         self._counts: dict = {}
 
@@ -48,6 +42,44 @@ class CopyRun:
         """How many copies have now reported ``item`` (this one included)."""
         self._counts[id(item)] = self._counts.get(id(item), 0) + 1
         return self._counts[id(item)]
+
+
+class InTurn(_Copies):
+    """``n`` copies run one after the other on the calling thread (where no other thread may call
+    into autograd: a device's engine thread); inside each, the code sees it is a copy (Megatron's
+    DDP hears of a parameter once, the linears keep the copies' choice), and a wait is a wait."""
+
+    def hand_over(self) -> None:
+        return None
+
+    def run(self, work: Sequence[Callable[[], object]]) -> list:
+        assert len(work) == self.n
+        outer, outer_index = copy_context.current(), copy_context.current_copy()
+        results = []
+        try:
+            for index, item in enumerate(work):
+                copy_context.enter(self, index)
+                results.append(item())
+        finally:
+            if outer is None:
+                copy_context.leave()
+            else:
+                copy_context.enter(outer, outer_index)
+        return results
+
+
+class CopyRun(_Copies):
+    """One round of ``n`` copies taking turns; :meth:`run` returns each copy's result in order."""
+
+    def __init__(self, n: int, save: Callable[[], object] | None = None, restore: Callable[[object], None] | None = None,
+                 chunk_linears: bool = True):
+        super().__init__(n, chunk_linears)
+        self._save, self._restore = save, restore
+        self._turn = 0
+        self._done = [False] * n
+        self._failed: BaseException | None = None
+        self._cond = threading.Condition()
+        self._saved: list = [None] * n
 
     # -- inside a copy ------------------------------------------------------------------------
 

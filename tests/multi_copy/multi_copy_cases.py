@@ -266,3 +266,57 @@ def train_fused(copies=2, **kwargs):
     finally:
         fused_cases.use_fakes(False)
     return result
+
+
+def train_ddp(copies=2, threaded_backward=True, steps=2, b=4, seq=32):
+    """The GPT inside Megatron's DDP with overlap_grad_reduce (a parameter's gradient must be heard of
+    once per micro-batch: 0.13-0.16 assert "Cannot set grad twice"), copies' backward on threads taking
+    turns or, with ``threaded_backward`` False, in turn on the calling thread (the CUDA / NPU path).
+    Returns the losses and the reduced gradients (main_grad) of every step."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import transformer_block
+
+    from coc_inject import job
+    from coc_inject.config import CocConfig
+    from coc_inject.multi_copy import block as copies_block
+
+    class _Stream:  # test-only: Megatron's DDP (0.17+) syncs its communication stream with torch.cuda's
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __getattr__(self, name):  # wait_stream, wait_event, record_event: nothing to order on CPU
+            return lambda *args, **kwargs: None
+
+    cuda = {name: getattr(torch.cuda, name) for name in ("Stream", "stream", "current_stream")}
+    torch.cuda.Stream, torch.cuda.stream = _Stream, lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    cp_gpt_cases.setup(2, 1)
+    if copies != 1:
+        copies_install.install(CocConfig(multi_copy=copies), transformer_block)
+    threaded, copies_block.THREADED_BACKWARD = copies_block.THREADED_BACKWARD, ("cpu",) if threaded_backward else ()
+    try:
+        model = cp_gpt_cases.build_gpt(2, 1, seq=seq)
+        ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=True, use_distributed_optimizer=False, grad_reduce_in_fp32=True))
+        losses, grads = [], []
+        for step in range(steps):
+            tokens, labels = cp_gpt_cases.batch(step, b, seq, 128)
+            positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
+            mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+            ddp.zero_grad_buffer()
+            loss = ddp(tokens, positions, mask, labels=labels).sum() / (b * seq)
+            loss.backward()
+            ddp.finish_grad_sync()
+            grads.append({name: p.main_grad.detach().clone() for name, p in model.named_parameters()})
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.5 * p.main_grad
+            losses.append(loss.item())
+        routes = sorted({repr(getattr(m, "_coc_multi_copy", None)) for m in model.modules()
+                         if type(m).__name__ == "TransformerBlock"})
+    finally:
+        copies_block.THREADED_BACKWARD = threaded
+        job.uninstall()
+        for name, value in cuda.items():
+            setattr(torch.cuda, name, value)
+    return {"losses": losses, "grads": grads, "routes": routes}

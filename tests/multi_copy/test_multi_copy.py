@@ -141,3 +141,17 @@ def test_auto_with_one_ranks_copies_slowed_steps_aside_on_every_rank(pool):
     got = train_auto(pool, tp=2, sp=True, b=4, skew={1: 0.5, 2: 0.5})  # one rank of each TP group
     assert all(r["decisions"][0]["choice"] == 1 for r in got), [r["decisions"] for r in got]
     assert all(r["routes"] == [(1, "auto: no copies were faster for this shape")] for r in got)
+
+
+@pytest.mark.parametrize("threaded_backward", [True, False], ids=["threads", "in-turn"])
+def test_megatrons_ddp_with_overlap_grad_reduce_hears_each_gradient_once(pool, threaded_backward):
+    # in-turn: the copies' backward one after the other on autograd's thread (CUDA / NPU), forced on CPU.
+    case = "tests.multi_copy.multi_copy_cases:train_ddp"
+    want = _references.get("ddp") or _references.setdefault("ddp", pool.run(case, copies=1))
+    got = pool.run(case, copies=2, threaded_backward=threaded_backward)
+    for mine, theirs in zip(got, want):
+        assert len(mine["routes"]) == 1 and "copies=2" in mine["routes"][0] and "reason=None" in mine["routes"][0]
+        assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+        for step_got, step_want in zip(mine["grads"], theirs["grads"]):
+            for name, grad in step_want.items():
+                assert (step_got[name] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, name

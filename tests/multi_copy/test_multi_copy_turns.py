@@ -119,10 +119,12 @@ def test_copies_see_their_own_rng_state_and_the_caller_goes_on_from_copy_0s():
     assert torch.equal(after, torch.get_rng_state())
 
 
-def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monkeypatch):
+@pytest.mark.parametrize("in_turn", [False, True], ids=["threads", "in-turn"])
+def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monkeypatch, in_turn):
     """Megatron's DDP (overlap_grad_reduce) asserts "Cannot set grad twice" (0.13-0.16) or learns a
     count per parameter at the first batch (0.17+): either way it must hear of a parameter once per
-    micro-batch, as without copies."""
+    micro-batch, as without copies -- the copies taking turns on threads, or one after the other on the
+    calling thread (a device's autograd engine thread)."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
     from megatron.core.transformer import transformer_block
 
@@ -139,7 +141,7 @@ def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monk
 
     install.install(CocConfig(multi_copy=2), transformer_block)
     try:
-        scheduler.CopyRun(2).run([copy, copy])
+        (scheduler.InTurn(2) if in_turn else scheduler.CopyRun(2)).run([copy, copy])
         group.register_grad_ready(params[0])  # outside copies: passed on as it is
     finally:
         job.uninstall()
