@@ -9,6 +9,20 @@ import hashlib
 from coc_inject.selftest import common
 
 
+def run_case(ctx, wing: str, case: str, backend: str, one_rank: str, check, **sizes) -> list:
+    """``check(ctx, case, backend)``'s row inside :func:`megatron_state` (``sizes``), or why it cannot run:
+    ``one_rank`` on a world of one, or no megatron-core."""
+    ctx.progress(wing, case)
+    if ctx.world < 2:
+        return [common.skipped(wing, case, backend, f"world size 1: {one_rank}")]
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as error:
+        return [common.skipped(wing, case, backend, f"megatron-core is not importable ({error})")]
+    with megatron_state(ctx, **sizes):
+        return [check(ctx, case, backend)]
+
+
 @contextlib.contextmanager
 def megatron_state(ctx, **sizes):
     """Megatron's parallel state for this wing only; no installation and no state left behind."""

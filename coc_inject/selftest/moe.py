@@ -14,18 +14,10 @@ LOCAL_EXPERTS, CHUNKS, TOPK, TOKENS, HIDDEN, FFN = 2, 2, 2, 64, 32, 64
 
 
 def run(ctx) -> list[dict]:
-    case, backend = f"MoE layer EP={ctx.world} {LOCAL_EXPERTS} local top-{TOPK}", f"pieces c={CHUNKS}"
-    ctx.progress(WING, case)
-    if ctx.world < 2:
-        return [common.skipped(WING, case, backend, "world size 1: expert parallelism 1 has no all-to-all")]
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as error:
-        return [common.skipped(WING, case, backend, f"megatron-core is not importable ({error})")]
-    from coc_inject.selftest.megatron_cases import megatron_state
+    from coc_inject.selftest.megatron_cases import run_case
 
-    with megatron_state(ctx, expert_model_parallel_size=ctx.world):
-        return [_case(ctx, case, backend)]
+    return run_case(ctx, WING, f"MoE layer EP={ctx.world} {LOCAL_EXPERTS} local top-{TOPK}", f"pieces c={CHUNKS}",
+                    "expert parallelism 1 has no all-to-all", _case, expert_model_parallel_size=ctx.world)
 
 
 def _case(ctx, case, backend) -> dict:

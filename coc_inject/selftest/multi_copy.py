@@ -10,23 +10,15 @@ whoever computes them; against the halves the copies are exact in every dtype.""
 from __future__ import annotations
 
 from coc_inject.selftest import common
-from coc_inject.selftest.megatron_cases import against_megatron, main_grads, megatron_state
+from coc_inject.selftest.megatron_cases import against_megatron, main_grads, run_case
 
 WING = "multi-copy"
 COPIES, LAYERS, BATCH = 2, 2, 2  # the batch splits into the copies
 
 
 def run(ctx) -> list[dict]:
-    case, backend = f"TransformerBlock x{LAYERS} TP={ctx.world} SP", f"{COPIES} copies"
-    ctx.progress(WING, case)
-    if ctx.world < 2:
-        return [common.skipped(WING, case, backend, "world size 1: no tensor-parallel collectives to overlap")]
-    try:
-        import megatron.core  # noqa: F401
-    except ImportError as error:
-        return [common.skipped(WING, case, backend, f"megatron-core is not importable ({error})")]
-    with megatron_state(ctx, tensor_model_parallel_size=ctx.world):
-        return [_case(ctx, case, backend)]
+    return run_case(ctx, WING, f"TransformerBlock x{LAYERS} TP={ctx.world} SP", f"{COPIES} copies",
+                    "no tensor-parallel collectives to overlap", _case, tensor_model_parallel_size=ctx.world)
 
 
 def _case(ctx, case, backend) -> dict:
