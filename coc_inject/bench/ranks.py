@@ -141,7 +141,7 @@ def initialize_megatron(setup: Setup, world: int) -> None:
                                              context_parallel_size=setup.cp, expert_model_parallel_size=setup.ep)
 
 
-def _cpu_current_device() -> None:
+def point_megatron_at_cpu() -> None:
     import torch
 
     # Megatron allocates its SP buffers with torch.cuda.current_device(); these ranks are CPU.
@@ -162,7 +162,7 @@ def _local_rank(rank, world, port, setup: Setup, namespaces, work, payload):
     import torch.distributed as dist
 
     torch.set_num_threads(setup.threads)
-    _cpu_current_device()
+    point_megatron_at_cpu()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if setup.megatron:
         initialize_megatron(setup, world)
@@ -192,7 +192,7 @@ def run_torchrun(setup: Setup, work, payload):
 
     device, backend = torchrun_device(setup.device_variable)
     if device.type == "cpu":
-        _cpu_current_device()
+        point_megatron_at_cpu()
     dist.init_process_group(backend)
     if setup.megatron:
         initialize_megatron(setup, dist.get_world_size())

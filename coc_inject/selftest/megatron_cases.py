@@ -33,7 +33,7 @@ def megatron_state(ctx, **sizes):
     from coc_inject.bench import ranks
 
     if ctx.device.type == "cpu":
-        ranks._cpu_current_device()  # Megatron allocates its SP buffers on torch.cuda.current_device()
+        ranks.point_megatron_at_cpu()  # Megatron allocates its SP buffers on the current CUDA device
     before = set(dist.distributed_c10d._world.pg_map)
     parallel_state.destroy_model_parallel()
     try:
