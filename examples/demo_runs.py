@@ -61,11 +61,13 @@ def loss_line(label, reference, results, against="CP=1") -> bool:
 
 def variant_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets, show=None) -> tuple:
     """Runs ``variants`` ({name: environment}) ``rounds`` times, interleaved, beside the ``given`` results
-    ({name: [results]}, "off" among them); prints median step times against off and the targets.
+    ({name: [results]}, "off" among them or among the variants); prints median step times against off and the targets.
     ``show(report path, environment)`` prints what each run did (its rank 0 COC_REPORT). Returns
     (losses equal, median step time per variant)."""
     print(f"\n### {title}", flush=True)
-    results = {**given, **{name: [] for name in variants}}
+    results = {name: list(runs) for name, runs in given.items()}  # a variant also given: its new runs added
+    for name in variants:
+        results.setdefault(name, [])
     for round_ in range(rounds):
         for index, (name, extra) in enumerate(variants.items()):
             tag = f"run-{index}-{round_}"
