@@ -1,7 +1,7 @@
 """Row and Column adapters: Megatron's two linear forwards, as CoC runs them.
 
 With linear_guards.py, the only module that knows Megatron's layer attributes. Each adapter
-turns one forward call into what the router plans with (``call``: a linear_router.LinearCall,
+turns one forward call into what the router plans with (``call``: a :class:`LinearCall`,
 whose ``run_coc`` re-does Megatron's forward around CoC's autograd Functions: the scatter of a
 non-parallel input, the bias, the output gather) and says why a call must take Megatron's own
 path (``guard``). patching.py wraps the layers' forwards with them.
@@ -10,10 +10,12 @@ path (``guard``). patching.py wraps the layers' forwards with them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+import torch
 
 from coc_inject.config import CocConfig
 from coc_inject.linear_guards import column_guards, row_guards
-from coc_inject.linear_router import LinearCall
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
     FusedAllGatherMatmul,
@@ -61,6 +63,26 @@ def column_shape(layer, input_) -> tuple:
     """[m, k, n] of a ColumnParallelLinear call (m: all rows, gathered under SP)."""
     tp = layer.tp_group.size() if layer.tp_group is not None and layer.sequence_parallel else 1
     return _rows(input_) * tp, layer.input_size, layer.output_size_per_partition
+
+
+@dataclass
+class LinearCall:
+    """One Row or Column forward call, as the router (linear_router) plans it."""
+
+    layer: object
+    case: LayerCase
+    shape: tuple  # [m, k, n]
+    coc_input: torch.Tensor  # what CoC multiplies (Row: after Megatron's scatter of a non-parallel input)
+    megatron_input: torch.Tensor  # what Megatron's own forward takes
+    weight: torch.Tensor
+    rows: int  # the row count its chunks split (per rank under SP)
+    fused_op: str | None  # the op a fused kernel would run; None: this forward has no communication to fuse
+    run_coc: Callable  # (input, chunk count or FusedKernel) -> the forward's (output, bias): CoC's path
+    run_megatron: Callable  # (input) -> the forward's (output, bias): Megatron's path (the tuner's trials)
+
+    @property
+    def group(self):
+        return self.layer.tp_group
 
 
 class RowAdapter:

@@ -3,45 +3,24 @@
 ``plan(call)`` gives CoC's chunked pipeline (``Chunked``), a fused kernel (``Fused``), or Megatron's
 path with a reason (``MegatronPath``: 1 chunk configured for the shape, the copies chose Megatron's
 linears, or ``COC_PARALLEL_NUM=auto`` measured Megatron's path fastest). It knows no Megatron
-attribute: the call carries its shape and two runners, which the auto tuner's trials use.
+attribute: the call (linear_adapters.LinearCall) carries its shape and two runners, which the auto
+tuner's trials use.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from coc_inject import copy_context, job, log
 from coc_inject.config import AUTO, CocConfig
 from coc_inject.pipeline import agreement
-from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, Chunked, Fused, LayerCase, MegatronPath
+from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, Chunked, Fused, MegatronPath
 
 # Chunk count of a fused kernel's backward pipelines when COC_PARALLEL_NUM names none.
 FUSED_FALLBACK_CHUNKS = 4
 COPIES_CHOSE_MEGATRON_PATH = MegatronPath(COPIES_CHOSE_MEGATRON, expected=True)
-
-
-@dataclass
-class LinearCall:
-    """One Row or Column forward call, as the router needs it (made by linear_adapters)."""
-
-    layer: object
-    case: LayerCase
-    shape: tuple  # [m, k, n]
-    coc_input: torch.Tensor  # what CoC multiplies (Row: after Megatron's scatter of a non-parallel input)
-    megatron_input: torch.Tensor  # what Megatron's own forward takes
-    weight: torch.Tensor
-    rows: int  # the row count its chunks split (per rank under SP)
-    fused_op: str | None  # the op a fused kernel would run; None: this forward has no communication to fuse
-    run_coc: Callable  # (input, chunk count or FusedKernel) -> the forward's (output, bias): CoC's path
-    run_megatron: Callable  # (input) -> the forward's (output, bias): Megatron's path (the tuner's trials)
-
-    @property
-    def group(self):
-        return self.layer.tp_group
 
 
 class LinearRouter:
@@ -51,7 +30,7 @@ class LinearRouter:
         self.config = config
         self.installation = installation
 
-    def plan(self, call: LinearCall):
+    def plan(self, call):
         """The route of a call that passed its guards: Chunked, Fused, or MegatronPath."""
         m, k, n = call.shape
         chunks = self.config.chunks_for(m, k, n)
@@ -64,12 +43,12 @@ class LinearRouter:
             return self._fused(call)
         return self._tuned(call) if chunks == AUTO else Chunked(chunks)
 
-    def _unfused(self, call: LinearCall):
+    def _unfused(self, call):
         """Where a fused kernel was asked for but cannot run: COC_PARALLEL_NUM's count if it names
         one, else auto."""
         return Chunked(self.config.parallel_num) if self.config.parallel_num > 1 else self._tuned(call)
 
-    def _fused(self, call: LinearCall):
+    def _fused(self, call):
         """A Fused route if a fused backend can run this call; otherwise say why once and chunk."""
         if call.fused_op is None:  # no communication to fuse in this forward; the backward is chunked
             return self._unfused(call)
@@ -87,7 +66,7 @@ class LinearRouter:
         # The fused forward's backward pipelines need a count before any call is tuned.
         return Fused(backend.name, FusedKernel(backend, count or FUSED_FALLBACK_CHUNKS))
 
-    def _tuned(self, call: LinearCall):
+    def _tuned(self, call):
         """COC_PARALLEL_NUM=auto: the count decided for this call's key (trials on its first call),
         or MegatronPath when that is Megatron's own path (N=1)."""
         from coc_inject.tuning.online import DecisionKey
