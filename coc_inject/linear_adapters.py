@@ -199,4 +199,4 @@ class ColumnAdapter:
         return output, (layer.bias if layer.skip_bias_add else None)
 
 
-ADAPTERS = {"RowParallelLinear": RowAdapter, "ColumnParallelLinear": ColumnAdapter}
+ADAPTERS = {adapter.name: adapter for adapter in (RowAdapter, ColumnAdapter)}

@@ -12,7 +12,7 @@ Stdlib only: a dependency of the engine, the coverage and the tuner alike.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 
@@ -60,8 +60,8 @@ class _Interned:
             made = cls._made[value] = super().__new__(cls)
         return made
 
-    def __reduce__(self):
-        return type(self), self._value()
+    def __reduce__(self):  # pickle and copy rebuild through __new__: the same object again
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,9 +70,6 @@ class Chunked(_Interned):
 
     name: ClassVar[str] = "chunked"
     chunks: int
-
-    def _value(self) -> tuple:
-        return (self.chunks,)
 
 
 @dataclass(frozen=True)
@@ -94,9 +91,6 @@ class MegatronPath(_Interned):
 
     def __new__(cls, reason: str, expected: bool = False):  # the value positional, whichever way it is given
         return super().__new__(cls, reason, expected)
-
-    def _value(self) -> tuple:
-        return self.reason, self.expected
 
 
 # The start of a MegatronPath's reason when COC_PARALLEL_NUM=auto measured Megatron's own path
