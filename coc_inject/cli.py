@@ -176,7 +176,7 @@ def multi_copy_status(config) -> str:
     if config.tunes_linears and config.multi_copy != AUTO:
         copies += ", the trials also deciding whether the linears in the copies chunk (COC_PARALLEL_NUM=auto)"
     return (f"TransformerBlock calls as {copies}, split along the batch, taking turns at their collectives "
-            f"(backward overlapped on CPU, in turns on GPU/NPU); Megatron's block for: {', '.join(WITHOUT_COPIES)}")
+            f"(the backward from autograd's thread, interleaved at the cuts); Megatron's block for: {', '.join(WITHOUT_COPIES)}")
 
 
 def megatron_report(megatron, allow_untested: bool) -> str:

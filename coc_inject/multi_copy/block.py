@@ -4,22 +4,24 @@ A block call splits its micro-batch along the batch dimension into ``n`` copies 
 ``[s, b, h]`` on dim 1, with or without sequence parallelism; the mask's and every per-sample
 input's batch rows with them; rotary embeddings shared), runs Megatron's own block forward on
 each copy, the copies taking turns at their collectives (scheduler.py), and joins the outputs:
-one split and one join per block. The backward runs each copy's backward the same way, inside
-one autograd node, so its collectives keep the fixed order too (like Megatron's reentrant
-recompute: the parameters' gradients accumulate from each copy's backward).
+one split and one join per block. The copies' forward marks their cut points (cuts.py); the
+block's backward is one autograd node that runs the copies' backward segment by segment from the
+thread autograd calls it on (segments.py), interleaved at their collectives in the same fixed order
+(like Megatron's reentrant recompute: the parameters' gradients accumulate from each copy's).
 
 A call that copies cannot run exactly runs Megatron's block with a reason (:func:`plan`).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 
-from coc_inject.multi_copy import rng, scheduler
+from coc_inject import log
+from coc_inject.multi_copy import cuts, rng, scheduler, segments
 
 # Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
 # shared by every copy when they hold no batch (rotary embeddings) or refused (plan()).
@@ -30,11 +32,6 @@ SHARED = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_
 REFUSED = {"inference_context": "inference", "inference_params": "inference", "sequence_len_offset": "inference",
            "packed_seq_params": "packed sequences (THD)", "extract_layer_indices": "extract_layer_indices",
            "dynamic_inference_decode_only": "inference"}
-
-
-# Where the copies' backward takes turns on threads. On CUDA and NPU autograd runs a device's nodes on
-# one engine thread that a copy thread must not block: there the copies' backward runs in turn on it.
-THREADED_BACKWARD = ("cpu",)
 
 # What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
 WITHOUT_COPIES = ("a micro-batch not divisible by the copies", "dropout > 0", "MoE layers", "packed sequences",
@@ -117,10 +114,10 @@ def _pieces(tensor, dim: int, sizes: list) -> list:
 class CopiesRunner:
     """Runs one block call as copies: forward (the copies in turns) and, later, their backward."""
 
-    def __init__(self, block, original, arguments: dict, split: Split, threaded_backward: bool):
+    def __init__(self, block, original, arguments: dict, split: Split):
         self.block, self.original, self.split = block, original, split
         self.arguments = arguments
-        self.threaded_backward = threaded_backward
+        self.cuts = [[] for _ in range(split.copies)]  # each copy's cut points (recorded with grad on)
 
     def _copy_arguments(self, index: int) -> dict:
         arguments = dict(self.arguments)
@@ -148,48 +145,40 @@ class CopiesRunner:
                 return output
             return run
 
+        run = scheduler.CopyRun(self.split.copies, save=rng.save, restore=rng.restore,
+                                chunk_linears=self.split.chunk_linears)
+        run.cuts = self.cuts if grad else None
         try:
-            outputs = self._turns([copy(i) for i in range(self.split.copies)], threaded=True)
+            with cuts.marking(block):
+                outputs = run.run([copy(i) for i in range(self.split.copies)])
         finally:
             if not block.pre_process:
                 block.input_tensor = held_input
         return pieces, outputs
 
     def backward(self, pieces, outputs, grad_output, params=()):
-        """Each copy's backward and the input's gradient. Without ``params`` the parameters' gradients
-        accumulate as they do without copies (a plain ``backward``, as Megatron's reentrant recompute
-        needs); with them (auto's trials) they are returned, summed over the copies, and nothing is
-        accumulated."""
-        grads = _pieces(grad_output, 1, self.split.sizes)
-
-        def copy(index):
-            def run():
-                if params:
-                    return torch.autograd.grad(outputs[index], [pieces[index], *params], grads[index].contiguous(),
-                                               allow_unused=True)
-                torch.autograd.backward(outputs[index], grads[index].contiguous())
-                return (pieces[index].grad,)
-            return run
-
-        results = self._turns([copy(i) for i in range(self.split.copies)], threaded=self.threaded_backward)
-        grad_input = torch.cat([r[0] if r[0] is not None else torch.zeros_like(p) for r, p in zip(results, pieces)],
-                               dim=1)
-        grad_params = [_sum([r[1 + i] for r in results if r[1 + i] is not None]) for i in range(len(params))]
-        return grad_input, grad_params
-
-    def _turns(self, work, threaded: bool) -> list:
-        if not threaded:  # a device's autograd runs its nodes on one engine thread: the copies one after another
-            return scheduler.InTurn(len(work), chunk_linears=self.split.chunk_linears).run(work)
-        return scheduler.CopyRun(len(work), save=rng.save, restore=rng.restore,
-                                 chunk_linears=self.split.chunk_linears).run(work)
+        """The copies' backward (segments.py) and the input's gradient. Without ``params`` the
+        parameters' gradients accumulate as they do without copies; with them (auto's trials) they
+        are returned, summed over the copies, and nothing is accumulated."""
+        if not any(self.cuts):
+            log.once(("multi-copy backward in turn", self.block.config.recompute_granularity), logging.WARNING,
+                     f"multi-copy: a TransformerBlock's backward runs the copies in turn (no overlap): "
+                     f"{in_turn_reason(self.block)}")
+        grads = [piece.contiguous() for piece in _pieces(grad_output, 1, self.split.sizes)]
+        grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
+                                                     self.split.chunk_linears)
+        return torch.cat(grad_pieces, dim=1), grad_params
 
 
-def _sum(terms):
-    return None if not terms else functools.reduce(torch.add, terms)
+def in_turn_reason(block) -> str:
+    """Why a block's copies recorded no cut point."""
+    if getattr(block.config, "recompute_granularity", None) == "full":
+        return "full recompute builds the layers' graph in the backward, where no cut is recorded"
+    return "no column-parallel linear (or sequence-parallel reduce-scatter) in the block's graph"
 
 
 class CopiesThroughBlock(torch.autograd.Function):
-    """Block forward as copies in turns; its backward as the copies' backward in turns."""
+    """Block forward as copies in turns; its backward as the copies' backward interleaved at their cuts."""
 
     @staticmethod
     def forward(ctx, runner, hidden, *params):
@@ -222,7 +211,7 @@ def run_copies(block, original, arguments: dict, split: Split, params_for_grad: 
     ``torch.autograd.grad`` over them: auto's trials)."""
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     bound_original = original.__get__(block, type(block))
-    runner = CopiesRunner(block, bound_original, arguments, split, threaded_backward=hidden.device.type in THREADED_BACKWARD)
+    runner = CopiesRunner(block, bound_original, arguments, split)
     if not torch.is_grad_enabled():
         _, outputs = runner.forward(hidden, grad=False)
         return torch.cat(outputs, dim=1)

@@ -1,22 +1,28 @@
-"""The network waits of a copy become hand-overs of the baton.
+"""Inside copies, a collective's wait is where the copies take turns.
 
 While copies run, the ``torch.distributed`` collectives (and Megatron's module-level aliases of
-them, bound at its import) are replaced by wrappers. Outside a copy thread a wrapper calls the
-original at once. Inside one:
+them, bound at its import) are replaced by wrappers. Outside copies a wrapper calls the original
+at once. Inside one, the collective is started asynchronously and the copies' run decides what
+its wait does:
 
-- a collective the caller waits for (``async_op=False``) is started asynchronously, the baton
-  goes to the next copy, and the copy waits for it when the baton comes back;
-- a collective started asynchronously returns a handle whose ``wait()`` does the same.
+- the forward's copies on threads (scheduler.CopyRun): the wait hands the baton to the next copy
+  first, which computes while this copy's collective is in flight (scheduler.HandOverWork);
+- the backward from one thread (segments.Segmented): in the node right after a cut, the
+  collective of the cut's kind is left in flight (:class:`DeferredWork`) until the copy's next
+  turn; every other wait is a wait.
 
-So a copy never blocks on the network while another copy could compute, and every collective
-is issued at a program point of one copy: the same order on every rank.
-"""
+Either way every collective is issued at a program point of one copy: the same order on every rank."""
 
 from __future__ import annotations
 
 import inspect
 
 from coc_inject import copy_context
+from coc_inject.multi_copy.cuts import KINDS
+
+# Tests only: a deferred collective's output reads NaN until its wait (a read before it, which on a
+# device would race the network, fails the exactness tests instead of passing by luck on CPU).
+POISON = False
 
 # torch.distributed functions with an ``async_op`` parameter that Megatron's layers and
 # coc-inject's engines call; point-to-point ops go through batch_isend_irecv (always async).
@@ -29,28 +35,57 @@ MEGATRON_ALIASES = {
 }
 
 
-class HandOverWork:
-    """A collective's handle whose wait lets the other copies run first."""
+class DeferredWork:
+    """A collective left in flight past its node: ``wait()`` there does nothing; the copy's run
+    completes it (:meth:`complete`) before the copy's next segment reads its output."""
 
-    def __init__(self, work, run):
-        self._work, self._run = work, run
+    def __init__(self, work, poisoned=None):
+        self._work, self._poisoned = work, poisoned  # poisoned: (the caller's outputs, the private ones)
 
     def wait(self, *args, **kwargs):
-        # Always, even when the work is already done: whether it is done is timing, which differs
-        # between ranks, and the hand-overs decide the order of the next collectives.
-        self._run.hand_over()
-        return self._work.wait(*args, **kwargs)
+        return True
 
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+    def complete(self) -> None:
+        self._work.wait()
+        if self._poisoned is not None:
+            for output, private in zip(*self._poisoned):
+                output.copy_(private)
+
+    def is_completed(self) -> bool:
+        return False
 
 
-def wrap(original, observe=None):
-    """``original`` with its waits turned into hand-overs inside copies."""
+def _deferred(original, args, kwargs, output_name):
+    """Start ``original`` left in flight; with POISON into private outputs, the caller's NaN meanwhile."""
+    if not POISON:
+        work = original(*args, **kwargs)
+        return None if work is None else DeferredWork(work)
+    in_args = bool(args)
+    output = args[0] if in_args else kwargs[output_name]
+    outputs = list(output) if isinstance(output, (list, tuple)) else [output]
+    privates = [tensor.clone() for tensor in outputs]  # all_reduce reads its output: keep its values
+    swapped = type(output)(privates) if isinstance(output, (list, tuple)) else privates[0]
+    if in_args:
+        args = (swapped,) + tuple(args[1:])
+    else:
+        kwargs = dict(kwargs, **{output_name: swapped})
+    work = original(*args, **kwargs)
+    if work is None:
+        return None
+    for tensor in outputs:
+        tensor.fill_(float("nan"))
+    return DeferredWork(work, (outputs, privates))
+
+
+def wrap(original):
+    """``original`` with its waits decided by the copies' run inside copies."""
     try:
-        async_index = list(inspect.signature(original).parameters).index("async_op")
+        parameters = list(inspect.signature(original).parameters)
     except (TypeError, ValueError):
-        async_index = None
+        parameters = []
+    async_index = parameters.index("async_op") if "async_op" in parameters else None
+    kind = KINDS.get(getattr(inspect.unwrap(original), "__name__", ""))
+    output_name = parameters[0] if parameters else None
 
     def collective(*args, **kwargs):
         run = copy_context.current()
@@ -62,12 +97,18 @@ def wrap(original, observe=None):
         else:
             wants_handle = bool(kwargs.get("async_op", False))
             kwargs["async_op"] = True
-        work = original(*args, **kwargs)
+        if run.defers(kind):
+            work = _deferred(original, args, kwargs, output_name)
+            if work is not None:
+                run.hold(work)
+        else:
+            work = original(*args, **kwargs)
+            work = None if work is None else run.handle(work)
         if work is None:  # e.g. a rank outside the group: nothing was issued
             return None
         if wants_handle:
-            return HandOverWork(work, run)
-        HandOverWork(work, run).wait()
+            return work
+        work.wait()
         return None
 
     collective.__wrapped__ = original
@@ -79,7 +120,7 @@ def wrap_batch(original):
     def batch_isend_irecv(p2p_op_list):
         works = original(p2p_op_list)
         run = copy_context.current()
-        return works if run is None else [HandOverWork(work, run) for work in works]
+        return works if run is None else [run.handle(work) for work in works]
 
     batch_isend_irecv.__wrapped__ = original
     return batch_isend_irecv

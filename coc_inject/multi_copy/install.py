@@ -3,8 +3,9 @@
 (coc_inject.job: its patches, coverage and tuner are shared with the other wings).
 
 * ``TransformerBlock.forward`` runs a call as copies (block.py) or, with the reason, Megatron's.
-* ``torch.distributed``'s collectives and Megatron's aliases of them: inside a copy, a wait for
-  the network hands the baton on (collectives.py); outside copies they call through.
+* ``torch.distributed``'s collectives and Megatron's aliases of them: inside copies, the copies'
+  run decides what a wait does (collectives.py); outside copies they call through.
+* Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
 * Megatron's global memory buffer: a name per copy; its DDP's grad-ready count: once per
   micro-batch although each copy accumulates.
 """
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from coc_inject import copy_context, job, log
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import auto, block as copies_block, collectives
+from coc_inject.multi_copy import auto, block as copies_block, collectives, cuts
 from coc_inject.routes import CopiesRoute
 
 AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
@@ -36,6 +37,7 @@ def install(config, transformer_block_module) -> None:
 def _install(installation, transformer_block_module) -> None:
     patches = installation.patches
     _patch_collectives(patches)
+    _patch_gather_mapping(patches)
     _patch_memory_buffer(patches)
     _patch_grad_ready(patches)
     cls = transformer_block_module.TransformerBlock
@@ -65,6 +67,14 @@ def _patch_collectives(patches) -> None:
             value = getattr(module, name, None)
             if value in wrappers:
                 patches.patch(module, name, wrappers[value])
+
+
+def _patch_gather_mapping(patches) -> None:
+    """Megatron's row-parallel reduce-scatter mapping marks a GATHER cut at its input (cuts.py)."""
+    module_name, name = cuts.GATHER_MAPPING
+    module = importlib.import_module(module_name)
+    if hasattr(module, name):
+        patches.patch(module, name, cuts.marking_gather_mapping(patches.original(module, name)))
 
 
 def _patch_memory_buffer(patches) -> None:

@@ -30,13 +30,30 @@ class CopyAborted(RuntimeError):
 
 class _Copies:
     """What the code inside a copy reads of its run (copy_context.current()): the copy count, whether
-    CoC chunks its linears, whether hand-overs are suspended, and a count of what every copy reports."""
+    CoC chunks its linears, whether hand-overs are suspended, a count of what every copy reports, and
+    what a collective's wait does (collectives.py)."""
 
     def __init__(self, n: int, chunk_linears: bool = True):
         self.n = n
         self.chunk_linears = chunk_linears
         self.alone = 0  # > 0: hand-overs are suspended (alone())
+        self.cuts = None  # a forward recording its cut points: one list per copy (cuts.mark)
         self._counts: dict = {}
+
+    def defers(self, kind) -> bool:
+        """Is a collective of ``kind`` issued now left in flight past its caller's wait?"""
+        return False
+
+    def handle(self, work):
+        """The handle the caller of a collective gets for ``work``."""
+        return work
+
+    def hand_over(self) -> None:
+        return None
+
+    def complete(self, copy) -> None:
+        """Wait for ``copy``'s collectives left in flight (a cut's backward reaching them)."""
+        return None
 
     def count_once(self, item) -> int:
         """How many copies have now reported ``item`` (this one included)."""
@@ -44,28 +61,21 @@ class _Copies:
         return self._counts[id(item)]
 
 
-class InTurn(_Copies):
-    """``n`` copies run one after the other on the calling thread (where no other thread may call
-    into autograd: a device's engine thread); inside each, the code sees it is a copy (Megatron's
-    DDP hears of a parameter once, the linears keep the copies' choice), and a wait is a wait."""
+class HandOverWork:
+    """A collective's handle whose wait lets the other copies run first."""
 
-    def hand_over(self) -> None:
-        return None
+    def __init__(self, work, run):
+        self._work, self._run = work, run
 
-    def run(self, work: Sequence[Callable[[], object]]) -> list:
-        assert len(work) == self.n
-        outer, outer_index = copy_context.current(), copy_context.current_copy()
-        results = []
-        try:
-            for index, item in enumerate(work):
-                copy_context.enter(self, index)
-                results.append(item())
-        finally:
-            if outer is None:
-                copy_context.leave()
-            else:
-                copy_context.enter(outer, outer_index)
-        return results
+    def wait(self, *args, **kwargs):
+        # Always, even when the work is already done: whether it is done is timing, which differs
+        # between ranks, and the hand-overs decide the order of the next collectives.
+        self._run.hand_over()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
 
 
 class CopyRun(_Copies):
@@ -82,6 +92,9 @@ class CopyRun(_Copies):
         self._saved: list = [None] * n
 
     # -- inside a copy ------------------------------------------------------------------------
+
+    def handle(self, work):
+        return HandOverWork(work, self)
 
     def hand_over(self) -> None:
         """The calling copy is about to wait for the network: let the next copy run meanwhile."""

@@ -14,7 +14,9 @@ import torch.distributed as dist
 
 from coc_inject import copy_context
 from coc_inject.multi_copy import install as copies_install
+from coc_inject.multi_copy import collectives as copies_collectives
 from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
+from coc_inject.multi_copy.cuts import KINDS
 from tests.context_parallel import cp_gpt_cases
 from tests.dist_harness import reinitialize_model_parallel
 
@@ -63,7 +65,9 @@ class CollectiveRecorder:
             shape = tuple(first.shape) if isinstance(first, torch.Tensor) else (
                 [tuple(t.shape) for t in first] if isinstance(first, list) and first
                 and isinstance(first[0], torch.Tensor) else None)
-            self.calls.append((name, ranks, shape, copy_context.current_copy()))
+            run = copy_context.current()
+            deferred = run is not None and run.defers(KINDS.get(name))  # left in flight past its node
+            self.calls.append((name, ranks, shape, copy_context.current_copy(), deferred))
             return original(*args, **kwargs)
 
         record.__wrapped__ = original  # coc-inject reads the signature through it
@@ -78,9 +82,48 @@ def _cpu_rng_for_recompute() -> None:
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
-def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None, **kwargs):
+@contextlib.contextmanager
+def autograd_on_one_thread():
+    """While a block's copies run their backward, autograd refuses a call from any thread but the one
+    running it (the stand-in for a device's engine thread, which no copy thread may call into);
+    yields the calls made from it then."""
+    import threading
+
+    from torch.autograd import graph
+
+    from coc_inject.multi_copy import segments
+
+    original, backward, calls, inside = graph._engine_run_backward, segments.backward, [], []
+
+    def guarded(*args, **kwargs):
+        if inside and threading.get_ident() != inside[-1]:
+            raise RuntimeError("autograd called from a second thread during the copies' backward")
+        if inside:
+            calls.append(1)
+        return original(*args, **kwargs)
+
+    def copies_backward(*args, **kwargs):
+        inside.append(threading.get_ident())
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    torch.autograd._engine_run_backward = graph._engine_run_backward = guarded  # backward() and grad() call it
+    segments.backward = copies_backward
+    try:
+        yield calls
+    finally:
+        torch.autograd._engine_run_backward = graph._engine_run_backward = original
+        segments.backward = backward
+
+
+def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None, poison=False, skip_cut_waits=False,
+          **kwargs):
     """cp_gpt_cases.train with ``copies`` (1: off; "auto"), with ``chunks`` CoC's chunked linears,
-    every wing installed for one config; the routes the blocks took come back as ``routes``."""
+    every wing installed for one config; the routes the blocks took come back as ``routes``.
+    ``poison``: a collective left in flight reads NaN until its wait; ``skip_cut_waits``: the cuts do
+    not wait for it (a deliberately broken backward, which poison must catch)."""
     from coc_inject import job, patching
     from coc_inject.config import AUTO, CocConfig
     from megatron.core.transformer import transformer_block
@@ -100,18 +143,34 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     if kwargs.get("recompute_granularity"):
         _cpu_rng_for_recompute()
     recorder = CollectiveRecorder() if record else None
-    with recorded_routes() as routes:
+    copies_collectives.POISON = poison
+    with recorded_routes() as routes, autograd_on_one_thread() as autograd_calls, _cut_waits(not skip_cut_waits):
         try:
             if recorder is not None:
                 recorder.__enter__()
             result = cp_gpt_cases.train(tp, cp, config, after_setup=after_setup, **kwargs)
         finally:
+            copies_collectives.POISON = False
             job.uninstall()
             if recorder is not None:
                 recorder.__exit__()
+    result["autograd_calls"] = len(autograd_calls)
     result["routes"] = sorted(set(routes), key=repr)
     result["collectives"] = recorder.calls if recorder is not None else None
     return result
+
+
+@contextlib.contextmanager
+def _cut_waits(on: bool):
+    from coc_inject.multi_copy import segments
+
+    complete = segments.Segmented.complete
+    if not on:  # the cuts' waits do nothing; the run's final one still completes everything
+        segments.Segmented.complete = lambda run, copy: None
+    try:
+        yield
+    finally:
+        segments.Segmented.complete = complete
 
 
 @contextlib.contextmanager
@@ -268,17 +327,16 @@ def train_fused(copies=2, **kwargs):
     return result
 
 
-def train_ddp(copies=2, threaded_backward=True, steps=2, b=4, seq=32):
+def train_ddp(copies=2, steps=2, b=4, seq=32):
     """The GPT inside Megatron's DDP with overlap_grad_reduce (a parameter's gradient must be heard of
-    once per micro-batch: 0.13-0.16 assert "Cannot set grad twice"), copies' backward on threads taking
-    turns or, with ``threaded_backward`` False, in turn on the calling thread (the CUDA / NPU path).
-    Returns the losses and the reduced gradients (main_grad) of every step."""
+    once per micro-batch: 0.13-0.16 assert "Cannot set grad twice"; the copies' backward accumulates
+    each parameter's gradient once per copy). Returns the losses and the reduced gradients (main_grad)
+    of every step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import transformer_block
 
     from coc_inject import job
     from coc_inject.config import CocConfig
-    from coc_inject.multi_copy import block as copies_block
 
     class _Stream:  # test-only: Megatron's DDP (0.17+) syncs its communication stream with torch.cuda's
         def __init__(self, *args, **kwargs):
@@ -293,7 +351,6 @@ def train_ddp(copies=2, threaded_backward=True, steps=2, b=4, seq=32):
     cp_gpt_cases.setup(2, 1)
     if copies != 1:
         copies_install.install(CocConfig(multi_copy=copies), transformer_block)
-    threaded, copies_block.THREADED_BACKWARD = copies_block.THREADED_BACKWARD, ("cpu",) if threaded_backward else ()
     try:
         model = cp_gpt_cases.build_gpt(2, 1, seq=seq)
         ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
@@ -315,7 +372,6 @@ def train_ddp(copies=2, threaded_backward=True, steps=2, b=4, seq=32):
         routes = sorted({repr(getattr(m, "_coc_multi_copy", None)) for m in model.modules()
                          if type(m).__name__ == "TransformerBlock"})
     finally:
-        copies_block.THREADED_BACKWARD = threaded
         job.uninstall()
         for name, value in cuda.items():
             setattr(torch.cuda, name, value)

@@ -89,13 +89,60 @@ def test_copies_inside_each_pipeline_stage(pool):
     assert_same_training(got, want)
 
 
-def test_every_rank_issues_the_same_collectives_in_the_same_order(pool):
-    got = run(pool, tp=4, sp=True, b=4, record=True, steps=1)
+def interleaved(records: list) -> list:
+    """The order the copies' turns give ``records`` (one block call's collectives, each (op, ranks,
+    shape, copy, deferred)): each copy's collectives in segments -- in the forward a segment ends at
+    each collective (its wait hands the turn on), in the backward at each collective left in flight
+    -- and segment j of copy 0, then of copy 1, ..."""
+    backward = any(record[4] for record in records)
+    segments: dict = {}
+    for record in records:
+        mine = segments.setdefault(record[3], [[]])
+        mine[-1].append(record)
+        if record[4] or not backward:
+            mine.append([])
+    longest = max(len(s) for s in segments.values())
+    return [record for j in range(longest) for copy in sorted(segments)
+            for record in (segments[copy][j] if j < len(segments[copy]) else [])]
+
+
+def block_calls(log: list) -> list:
+    """The runs of consecutive collectives issued inside copies."""
+    calls, current = [], []
+    for record in log + [(None, None, None, None, False)]:
+        if record[3] is not None:
+            current.append(record)
+        elif current:
+            calls.append(current)
+            current = []
+    return calls
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_every_rank_issues_the_same_collectives_in_the_copies_interleave(pool, sp):
+    got = run(pool, tp=4, sp=sp, b=4, record=True, steps=1)
     first = got[0]["collectives"]
-    copies = [call[3] for call in first if call[3] is not None]
-    assert copies.count(0) > 8 and copies.count(1) == copies.count(0), first  # both copies communicate
     for rank, result in enumerate(got[1:], start=1):
         assert result["collectives"] == first, f"rank {rank} issued its collectives in another order"
+    calls = block_calls(first)
+    backward = [call for call in calls if any(record[4] for record in call)]
+    assert len(calls) == 2 and len(backward) == 1, calls  # one block: its forward and its backward
+    for call in calls:
+        assert call == interleaved(call), call
+        assert [r[3] for r in call].count(0) == [r[3] for r in call].count(1) >= 2 * 2  # two layers
+    deferred = [r for r in backward[0] if r[4]]
+    # each layer's column linears (and with SP the row linears' reduce-scatter mappings) end a segment
+    assert [r[3] for r in deferred] == [0, 1] * (2 * 2 * (2 if sp else 1)), backward[0]
+
+
+def test_backward_reads_no_collective_before_its_wait(pool):
+    """Poison: a collective left in flight reads NaN until its wait. With the cuts' waits the training
+    equals no copies; without them (a deliberately broken backward) the NaN reaches the gradients."""
+    got = run(pool, tp=2, sp=True, b=4, poison=True)
+    assert all(r["autograd_calls"] == 3 for r in got)  # one per step's block backward, on its one thread
+    broken = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, sp=True, b=4, steps=1,
+                      poison=True, skip_cut_waits=True)
+    assert all(any(p.isnan().any() for p in r["params"].values()) for r in broken), "poison was read and not seen"
 
 
 @newest_only
@@ -143,12 +190,10 @@ def test_auto_with_one_ranks_copies_slowed_steps_aside_on_every_rank(pool):
     assert all(r["routes"] == [(1, "auto: no copies were faster for this shape")] for r in got)
 
 
-@pytest.mark.parametrize("threaded_backward", [True, False], ids=["threads", "in-turn"])
-def test_megatrons_ddp_with_overlap_grad_reduce_hears_each_gradient_once(pool, threaded_backward):
-    # in-turn: the copies' backward one after the other on autograd's thread (CUDA / NPU), forced on CPU.
+def test_megatrons_ddp_with_overlap_grad_reduce_hears_each_gradient_once(pool):
     case = "tests.multi_copy.multi_copy_cases:train_ddp"
-    want = _references.get("ddp") or _references.setdefault("ddp", pool.run(case, copies=1))
-    got = pool.run(case, copies=2, threaded_backward=threaded_backward)
+    want = pool.run(case, copies=1)
+    got = pool.run(case, copies=2)
     for mine, theirs in zip(got, want):
         assert len(mine["routes"]) == 1 and "copies=2" in mine["routes"][0] and "reason=None" in mine["routes"][0]
         assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-5)

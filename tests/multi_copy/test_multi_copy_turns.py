@@ -119,14 +119,16 @@ def test_copies_see_their_own_rng_state_and_the_caller_goes_on_from_copy_0s():
     assert torch.equal(after, torch.get_rng_state())
 
 
-@pytest.mark.parametrize("in_turn", [False, True], ids=["threads", "in-turn"])
-def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monkeypatch, in_turn):
+@pytest.mark.parametrize("segmented", [False, True], ids=["copies-on-threads", "segmented-backward"])
+def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monkeypatch, segmented):
     """Megatron's DDP (overlap_grad_reduce) asserts "Cannot set grad twice" (0.13-0.16) or learns a
     count per parameter at the first batch (0.17+): either way it must hear of a parameter once per
-    micro-batch, as without copies -- the copies taking turns on threads, or one after the other on the
-    calling thread (a device's autograd engine thread)."""
+    micro-batch, as without copies -- each copy reporting it (copies on threads), or the one
+    AccumulateGrad that the segmented backward runs with every copy's gradient summed."""
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
     from megatron.core.transformer import transformer_block
+
+    from coc_inject.multi_copy import segments
 
     heard = []
     monkeypatch.setattr(_ParamAndGradBucketGroup, "register_grad_ready",
@@ -141,11 +143,58 @@ def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monk
 
     install.install(CocConfig(multi_copy=2), transformer_block)
     try:
-        (scheduler.InTurn(2) if in_turn else scheduler.CopyRun(2)).run([copy, copy])
+        if segmented:
+            copy_context.enter(segments.Segmented(2), None)
+            try:
+                for param in params:
+                    group.register_grad_ready(param)
+            finally:
+                copy_context.leave()
+        else:
+            scheduler.CopyRun(2).run([copy, copy])
         group.register_grad_ready(params[0])  # outside copies: passed on as it is
     finally:
         job.uninstall()
     assert heard == [params[0], params[1], params[0]]
+
+
+def test_segmented_backward_interleaves_the_copies_at_their_cuts_on_one_thread():
+    """Two copies of x -> [cut] -> *w -> [cut] -> *w: the backward runs copy 0's last segment, copy 1's,
+    then each copy's cut (its wait) before its earlier segment, all on the calling thread; the
+    gradients equal a plain backward's."""
+    import threading
+
+    from coc_inject.multi_copy import cuts, segments
+
+    w = torch.tensor([1.5, -2.0], requires_grad=True)
+    pieces = [torch.tensor([1.0, 2.0], requires_grad=True), torch.tensor([3.0, 4.0], requires_grad=True)]
+    trace = []
+
+    def copy(index):
+        def work():
+            h = pieces[index] * 2
+            for layer in range(2):
+                h = cuts.mark(h, cuts.REDUCE) * w
+                h.grad_fn.register_prehook(lambda g, layer=layer: trace.append(
+                    ("segment", index, layer, threading.get_ident())))
+            return h
+        return work
+
+    run = scheduler.CopyRun(2)
+    run.cuts = [[], []]
+    outputs = run.run([copy(0), copy(1)])
+    assert [len(c) for c in run.cuts] == [2, 2]
+    for _, node, _ in run.cuts[0]:  # copy 0's cuts: where its collectives in flight are waited for
+        node.register_prehook(lambda g: trace.append(("cut",)))
+    grads = [torch.ones(2), torch.full((2,), 2.0)]
+    got, _ = segments.backward(outputs, grads, pieces, run.cuts)
+    steps = [(step[1], step[2]) if step[0] == "segment" else "cut0" for step in trace]
+    assert steps == [(0, 1), (1, 1), "cut0", (0, 0), (1, 0), "cut0"], steps
+    assert {step[3] for step in trace if step[0] == "segment"} == {threading.get_ident()}
+    for index, piece in enumerate(pieces):
+        want, = torch.autograd.grad(((piece * 2) * w * w * grads[index]).sum(), piece)
+        assert torch.equal(got[index], want)
+    assert torch.equal(w.grad, sum(((p * 2) * 2 * w * g).detach() for p, g in zip(pieces, grads)))
 
 
 def test_copies_run_under_their_callers_grad_mode_and_saved_tensor_hooks():

@@ -1,0 +1,160 @@
+"""The copies' backward from one thread, interleaved at their collectives in a fixed order.
+
+Each copy's graph is cut at the marks its forward recorded (cuts.py): segment ``k`` holds the nodes
+created between cut ``k`` and cut ``k + 1`` (autograd numbers a thread's nodes in creation order).
+Autograd's engine runs, of the nodes that are ready, the one with the highest sequence number, so
+the copies' nodes are renumbered into bands, highest first::
+
+    copy 0's segment K, copy 1's segment K, copy 0's cut K, copy 0's segment K-1, copy 1's cut K, ...
+
+and one backward call over every copy's output runs them on the thread autograd calls the block's
+node on, with no other thread. The node right after a cut (the column linear, the reduce-scatter
+mapping) leaves the collective of the cut's kind in flight; the cut's own node waits for it, after
+the other copy's segment has been issued. Every other wait stays where Megatron put it. So every
+rank issues comm0(K), comm1(K), comm0(K-1), ... in program order, and on a device each wait is
+issued after the other copy's kernels: that is the overlap. The gradient crossing a cut is read
+only after that wait (by the cut's node, its only consumer); a residual branch's joins it after.
+
+The parameters' gradients accumulate as they do without copies: one AccumulateGrad per parameter,
+run once with the copies' gradients summed, with its hooks (Megatron's DDP hears of it once). A copy with no cut
+runs its whole backward in its band: the copies in turn, in the same order still.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from coc_inject import copy_context
+from coc_inject.multi_copy.scheduler import _Copies
+
+_TOP = 1 << 62  # new sequence numbers count down from here (the engine compares them only within a call)
+
+
+class Segmented(_Copies):
+    """The copies' backward run (what the code inside sees as copy_context.current())."""
+
+    def __init__(self, n: int, chunk_linears: bool = True):
+        super().__init__(n, chunk_linears)
+        self.deferring = None  # (kind, copy) inside a node right after a cut, else None
+        self.pending = [[] for _ in range(n)]  # each copy's collectives in flight
+
+    def count_once(self, item) -> int:
+        # One backward call over every copy: the engine sums a parameter's copies' gradients in its
+        # AccumulateGrad's input, which runs once, with every copy's in.
+        return self.n
+
+    def defers(self, kind) -> bool:
+        return self.deferring is not None and kind == self.deferring[0]
+
+    def hold(self, work) -> None:
+        self.pending[self.deferring[1]].append(work)
+
+    def complete(self, copy: int) -> None:
+        """Wait for ``copy``'s collectives in flight (a cut's node, before the gradient goes on)."""
+        pending, self.pending[copy] = self.pending[copy], []
+        for work in pending:
+            work.complete()
+
+    def marking_copy(self, nodes: list, copy: int) -> list:
+        """Hooks telling the code inside ``nodes`` that it runs as ``copy`` (the collectives' records,
+        Megatron's per-copy buffers)."""
+        def enter(grad_outputs):
+            copy_context.enter(self, copy)
+
+        return [node.register_prehook(enter) for node in nodes]
+
+    def ending(self, node, kind: str, copy: int) -> list:
+        """Hooks making ``node`` leave its collectives of ``kind`` in flight (their handles)."""
+        def before(grad_outputs):
+            self.deferring = (kind, copy)
+
+        def after(grad_inputs, grad_outputs):
+            self.deferring = None
+
+        return [node.register_prehook(before), node.register_hook(after)]
+
+
+def bands(output: torch.Tensor, cuts: list) -> tuple:
+    """The nodes of one copy's graph by segment, and its ends: ``(segments, cut_nodes, ends)`` where
+    ``segments[k]`` lists segment k's nodes (cut nodes apart) and ``cut_nodes[k]`` the node of the
+    cut opening segment k (None for segment 0), ``ends`` (node after a cut, kind) where that cut
+    has exactly one such node. ``cuts``: (sequence number, node, kind) in forward order."""
+    bounds = [seq for seq, _, _ in cuts]
+    kinds = {id(node): (k + 1, kind) for k, (_, node, kind) in enumerate(cuts)}
+    segments = [[] for _ in range(len(cuts) + 1)]
+    cut_nodes = [None] + [node for _, node, _ in cuts]
+    consumers: dict = {}
+    start = output.grad_fn
+    seen, stack = {id(start)}, [start]
+    while stack:
+        node = stack.pop()
+        if id(node) not in kinds:
+            segments[bisect.bisect_right(bounds, node._sequence_nr())].append(node)
+        for next_node, _ in node.next_functions:
+            if next_node is None or hasattr(next_node, "variable"):  # AccumulateGrad: runs when ready
+                continue
+            if id(next_node) in kinds:
+                consumers.setdefault(id(next_node), []).append(node)
+            if id(next_node) not in seen:
+                seen.add(id(next_node))
+                stack.append(next_node)
+    ends = []
+    for _, node, kind in cuts:
+        found = consumers.get(id(node), [])
+        if len(found) == 1:  # two would sum the deferred gradient before the wait: leave that cut's waits be
+            ends.append((found[0], kind))
+    return segments, cut_nodes, ends
+
+
+def renumber(per_copy: list) -> None:
+    """Sequence numbers in band order (module docstring); ``per_copy``: :func:`bands` of each copy."""
+    seq = _TOP
+    count = max(len(segments) for segments, _, _ in per_copy)
+    for k in reversed(range(count)):
+        for segments, cut_nodes, _ in per_copy:
+            if k >= len(segments):
+                continue
+            opening_next = cut_nodes[k + 1] if k + 1 < len(cut_nodes) else None
+            band = ([opening_next] if opening_next is not None else []) + sorted(
+                segments[k], key=lambda node: node._sequence_nr(), reverse=True)
+            for node in band:
+                node._set_sequence_nr(seq)
+                seq -= 1
+
+
+def backward(outputs: list, grad_outputs: list, pieces: list, cuts: list, params=(), chunk_linears=True):
+    """Every copy's backward, interleaved (module docstring). Returns each copy's input gradient and,
+    with ``params``, their gradients (summed over the copies, nothing accumulated: auto's trials)."""
+    n = len(outputs)
+    run = Segmented(n, chunk_linears)
+    per_copy = [bands(output, copy_cuts) for output, copy_cuts in zip(outputs, cuts)]
+    renumber(per_copy)
+    handles = []
+    for copy, (segments, cut_nodes, ends) in enumerate(per_copy):
+        handles += run.marking_copy([node for segment in segments for node in segment], copy)
+        for node, kind in ends:
+            handles += run.ending(node, kind, copy)
+    outer, outer_index = copy_context.current(), copy_context.current_copy()
+    copy_context.enter(run, None)
+    try:
+        if params:
+            grads = torch.autograd.grad(outputs, [*pieces, *params], grad_outputs, allow_unused=True)
+            grad_pieces, grad_params = list(grads[:n]), list(grads[n:])
+        else:
+            torch.autograd.backward(outputs, grad_outputs)
+            grad_pieces, grad_params = [piece.grad for piece in pieces], []
+    finally:
+        for pending in run.pending:  # nothing may stay in flight (after a failure: into freed memory)
+            for work in pending:
+                work.complete()
+        for handle in handles:
+            handle.remove()
+        if outer is None:
+            copy_context.leave()
+        else:
+            copy_context.enter(outer, outer_index)
+    grad_pieces = [g if g is not None else torch.zeros_like(p) for g, p in zip(grad_pieces, pieces)]
+    return grad_pieces, grad_params
+
