@@ -143,12 +143,13 @@ class AttentionRoute:
 @dataclass(frozen=True)
 class CopiesRoute:
     """A TransformerBlock call run as ``copies`` copies (multi-copy parallel), or, with ``copies`` 1,
-    Megatron's block and why."""
+    Megatron's block and why; copies whose backward runs one after the other say why."""
 
     name: ClassVar[str] = "multi-copy"
     copies: int
     layers: int
     reason: str | None = None
+    backward_in_turn: str | None = None  # copies whose forward marked no cut: why their backward cannot overlap
 
 
 @dataclass(frozen=True)

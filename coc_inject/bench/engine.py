@@ -12,10 +12,9 @@ is as slow as its slowest rank. Figures are made by coc_inject.bench.report.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -102,11 +101,10 @@ class _Done:
         return True
 
 
-@contextmanager
 def no_collectives(only=None):
     """The compute-only twin: every collective (torch's and Megatron's aliases of them; or those named
     in ``only``) a no-op that zero-fills its output -- the same layer on an infinitely fast network."""
-    from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
+    from coc_inject import dist_interception
 
     def output_zeroed(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
         output = args[0] if args else next(iter(kwargs.values()))
@@ -117,16 +115,8 @@ def no_collectives(only=None):
     def in_place(*args, async_op=False, **kwargs):  # all_reduce: the tensor already holds a result
         return _Done() if async_op else None
 
-    names = ("all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor", "_reduce_scatter_base",
-             "all_gather", "all_to_all_single")
-    saved = [(dist, "all_reduce", dist.all_reduce)] + [(dist, name, getattr(dist, name)) for name in names]
-    saved += [(module, alias, getattr(module, alias)) for module in map(importlib.import_module, MEGATRON_ALIASES)
-              for alias in MEGATRON_ALIASES[module.__name__]]
-    saved = [entry for entry in saved if only is None or entry[1] in only]
-    for owner, name, _ in saved:
-        setattr(owner, name, in_place if name == "all_reduce" else output_zeroed)
-    try:
-        yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
+    names = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
+             "_reduce_scatter_base", "all_gather", "all_to_all_single")
+    return dist_interception.replaced(
+        lambda name, _: (in_place if name == "all_reduce" else output_zeroed) if only is None or name in only else None,
+        names)

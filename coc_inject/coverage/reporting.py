@@ -56,6 +56,12 @@ def copies_summary(coverage) -> str | None:
         calls = sum(n for route, n in routes.items() if route.copies > 1)
         parts.append(f"multi-copy {'/'.join(map(str, copied))} on {sum(blocks.values())} layers "
                      f"({len(blocks)} block{'s' if len(blocks) != 1 else ''}): {calls} calls")
+    in_turn: dict = {}
+    for route, n in routes.items():
+        if route.backward_in_turn is not None:
+            in_turn[route.backward_in_turn] = in_turn.get(route.backward_in_turn, 0) + n
+    if in_turn:
+        parts.append("backward in turn for: " + "; ".join(f"{why} ({n} calls)" for why, n in in_turn.items()))
     without = {route.reason: n for route, n in routes.items() if route.copies == 1}
     if without:
         parts.append("no copies for: " + "; ".join(f"{why} ({n} calls)" for why, n in without.items()))
@@ -145,7 +151,7 @@ def _layer_entry(record, route, calls: int) -> dict:
     if isinstance(route, CopiesRoute):
         return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape, "route": route.name,
                 "copies": route.copies, "layers": route.layers, "chunks": None, "backend": None,
-                "reason": route.reason, "calls": calls}
+                "reason": route.reason, "backward_in_turn": route.backward_in_turn, "calls": calls}
     if isinstance(route, MoERoute):
         return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape, "route": route.name,
                 "pieces": route.pieces, "chunks": route.chunks or None, "backend": None, "reason": route.reason,

@@ -15,13 +15,11 @@ A call that copies cannot run exactly runs Megatron's block with a reason (:func
 from __future__ import annotations
 
 import inspect
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from coc_inject import log
-from coc_inject.multi_copy import cuts, rng, scheduler, segments
+from coc_inject.multi_copy import collectives, cuts, rng, scheduler, segments
 
 # Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
 # shared by every copy when they hold no batch (rotary embeddings) or refused (plan()).
@@ -149,7 +147,7 @@ class CopiesRunner:
                                 chunk_linears=self.split.chunk_linears)
         run.cuts = self.cuts if grad else None
         try:
-            with cuts.marking(block):
+            with cuts.marking(block), collectives.INTERCEPTION.entered():
                 outputs = run.run([copy(i) for i in range(self.split.copies)])
         finally:
             if not block.pre_process:
@@ -160,18 +158,18 @@ class CopiesRunner:
         """The copies' backward (segments.py) and the input's gradient. Without ``params`` the
         parameters' gradients accumulate as they do without copies; with them (auto's trials) they
         are returned, summed over the copies, and nothing is accumulated."""
-        if not any(self.cuts):
-            log.once(("multi-copy backward in turn", self.block.config.recompute_granularity), logging.WARNING,
-                     f"multi-copy: a TransformerBlock's backward runs the copies in turn (no overlap): "
-                     f"{in_turn_reason(self.block)}")
         grads = [piece.contiguous() for piece in _pieces(grad_output, 1, self.split.sizes)]
-        grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
-                                                     self.split.chunk_linears)
+        with collectives.INTERCEPTION.entered():
+            grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
+                                                         self.split.chunk_linears)
         return torch.cat(grad_pieces, dim=1), grad_params
 
 
-def in_turn_reason(block) -> str:
-    """Why a block's copies recorded no cut point."""
+def backward_in_turn(block) -> str | None:
+    """Why the copies of the block's last call cannot overlap in their backward (they marked no cut
+    point), or None."""
+    if not torch.is_grad_enabled() or getattr(block, "_coc_copies_cut", True):
+        return None
     if getattr(block.config, "recompute_granularity", None) == "full":
         return "full recompute builds the layers' graph in the backward, where no cut is recorded"
     return "no column-parallel linear (or sequence-parallel reduce-scatter) in the block's graph"
@@ -216,4 +214,6 @@ def run_copies(block, original, arguments: dict, split: Split, params_for_grad: 
         _, outputs = runner.forward(hidden, grad=False)
         return torch.cat(outputs, dim=1)
     params = [p for p in block.parameters() if p.requires_grad] if params_for_grad else []
-    return CopiesThroughBlock.apply(runner, hidden, *params)
+    output = CopiesThroughBlock.apply(runner, hidden, *params)
+    block._coc_copies_cut = any(runner.cuts)  # read by the route's count
+    return output

@@ -1,8 +1,9 @@
 """Inside copies, a collective's wait is where the copies take turns.
 
 While copies run, the ``torch.distributed`` collectives (and Megatron's module-level aliases of
-them, bound at its import) are replaced by wrappers. Outside copies a wrapper calls the original
-at once. Inside one, the collective is started asynchronously and the copies' run decides what
+them, bound at its import) are replaced by wrappers (:data:`INTERCEPTION`, entered around each copy
+run only). Outside a copy a wrapper calls the original at once (another thread meanwhile). Inside
+one, the collective is started asynchronously and the copies' run decides what
 its wait does:
 
 - the forward's copies on threads (scheduler.CopyRun): the wait hands the baton to the next copy
@@ -17,23 +18,12 @@ from __future__ import annotations
 
 import inspect
 
-from coc_inject import copy_context
+from coc_inject import copy_context, dist_interception
 from coc_inject.multi_copy.cuts import KINDS
 
 # Tests only: a deferred collective's output reads NaN until its wait (a read before it, which on a
 # device would race the network, fails the exactness tests instead of passing by luck on CPU).
 POISON = False
-
-# torch.distributed functions with an ``async_op`` parameter that Megatron's layers and
-# coc-inject's engines call; point-to-point ops go through batch_isend_irecv (always async).
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
-               "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single", "all_to_all", "broadcast")
-# Megatron binds these at import: module -> names holding a torch.distributed collective.
-MEGATRON_ALIASES = {
-    "megatron.core.tensor_parallel.mappings": ("dist_all_gather_func", "dist_reduce_scatter_func"),
-    "megatron.core.tensor_parallel.layers": ("dist_all_gather_func", "dist_reduce_scatter_func"),
-}
-
 
 class DeferredWork:
     """A collective left in flight past its node: ``wait()`` there does nothing; the copy's run
@@ -124,3 +114,16 @@ def wrap_batch(original):
 
     batch_isend_irecv.__wrapped__ = original
     return batch_isend_irecv
+
+
+def _wrapping(name, original):
+    wrapper = _wrappers.get(original)
+    if wrapper is None:  # made once per function: reading a signature is slow
+        wrapper = _wrappers[original] = wrap_batch(original) if name == "batch_isend_irecv" else wrap(original)
+    return wrapper
+
+
+_wrappers: dict = {}
+# Entered around every copy run (block.py: the forward's copies, the backward's call); outside copy
+# runs torch.distributed is left untouched.
+INTERCEPTION = dist_interception.Shared(_wrapping)

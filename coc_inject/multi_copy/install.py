@@ -3,8 +3,7 @@
 (coc_inject.job: its patches, coverage and tuner are shared with the other wings).
 
 * ``TransformerBlock.forward`` runs a call as copies (block.py) or, with the reason, Megatron's.
-* ``torch.distributed``'s collectives and Megatron's aliases of them: inside copies, the copies'
-  run decides what a wait does (collectives.py); outside copies they call through.
+* (not here: ``torch.distributed``'s collectives are wrapped only while copies run, collectives.py)
 * Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
 * Megatron's global memory buffer: a name per copy; its DDP's grad-ready count: once per
   micro-batch although each copy accumulates.
@@ -14,15 +13,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import logging
-import sys
-
-import torch.distributed as dist
 
 from coc_inject import copy_context, job, log
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import auto, block as copies_block, collectives, cuts
+from coc_inject.multi_copy import auto, block as copies_block, cuts
 from coc_inject.routes import CopiesRoute
 
 AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
@@ -36,7 +31,6 @@ def install(config, transformer_block_module) -> None:
 
 def _install(installation, transformer_block_module) -> None:
     patches = installation.patches
-    _patch_collectives(patches)
     _patch_gather_mapping(patches)
     _patch_memory_buffer(patches)
     _patch_grad_ready(patches)
@@ -50,23 +44,6 @@ def banner(config) -> str:
 
 
 on_transformer_block_imported = job.wing_hook(lambda config: config.multi_copy_armed, _install, banner)
-
-
-def _patch_collectives(patches) -> None:
-    wrappers = {}  # what a Megatron alias may hold (the torch function, or an instrumentation of it) -> ours
-    for name in collectives.COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is not None:
-            wrapper = collectives.wrap(original)
-            wrappers[original] = wrappers[inspect.unwrap(original)] = wrapper
-            patches.patch(dist, name, wrapper)
-    patches.patch(dist, "batch_isend_irecv", collectives.wrap_batch(dist.batch_isend_irecv))
-    for module_name, names in collectives.MEGATRON_ALIASES.items():
-        module = sys.modules.get(module_name) or importlib.import_module(module_name)
-        for name in names:
-            value = getattr(module, name, None)
-            if value in wrappers:
-                patches.patch(module, name, wrappers[value])
 
 
 def _patch_gather_mapping(patches) -> None:
@@ -135,10 +112,13 @@ def _copies_forward(installation, original):
         if len(choices) > 1:
             split = auto.choose(installation.tuner(job.MULTI_COPY), self, original, arguments, split, choices)
             reason = None if split is not None else AUTO_STEPPED_ASIDE
-        _count(installation, self, CopiesRoute(split.copies if split else 1, len(self.layers), reason))
         if split is None:
+            _count(installation, self, CopiesRoute(1, len(self.layers), reason))
             return original(self, *args, **kwargs)
-        return copies_block.run_copies(self, original, arguments, split)
+        output = copies_block.run_copies(self, original, arguments, split)
+        _count(installation, self, CopiesRoute(split.copies, len(self.layers), None,
+                                               copies_block.backward_in_turn(self)))
+        return output
 
     return forward
 
@@ -148,5 +128,9 @@ def _count(installation, block, route: CopiesRoute) -> None:
     if route.reason is not None and route.reason != AUTO_STEPPED_ASIDE:
         log.once(("multi-copy", route.reason), logging.WARNING,
                  f"multi-copy: a TransformerBlock runs without copies: {route.reason}")
+    if route.backward_in_turn is not None:
+        log.once(("multi-copy backward", route.backward_in_turn), logging.WARNING,
+                 f"multi-copy: a TransformerBlock's copies run their backward one after the other (no overlap "
+                 f"there): {route.backward_in_turn}")
     if installation.coverage is not None:
         installation.coverage.count(block, route, None, lambda layer, _: [])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from coc_inject.multi_copy.scheduler import accelerators
+
 
 def _tracker():
     try:
@@ -22,18 +24,18 @@ def _tracker():
 
 def save() -> tuple:
     tracker = _tracker()
-    device = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    devices = [(module, module.get_rng_state()) for _, module in accelerators()]  # CUDA's, NPU's
     tracked = None
     if tracker is not None:
         tracked = (dict(tracker.states_), getattr(tracker, "_current_state_name", None))
-    return torch.get_rng_state(), device, tracker, tracked
+    return torch.get_rng_state(), devices, tracker, tracked
 
 
 def restore(state: tuple) -> None:
-    cpu, device, tracker, tracked = state
+    cpu, devices, tracker, tracked = state
     torch.set_rng_state(cpu)
-    if device is not None:
-        torch.cuda.set_rng_state(device)
+    for module, device_state in devices:
+        module.set_rng_state(device_state)
     if tracker is not None and tracked is not None:
         tracker.states_ = dict(tracked[0])
         if tracked[1] is not None:

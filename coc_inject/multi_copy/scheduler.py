@@ -232,22 +232,42 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pool.forget)
 
 
+def accelerators() -> list:
+    """The torch device modules (``torch.cuda``, ``torch.npu`` once torch_npu is imported) in use here."""
+    import torch
+
+    found = []
+    for name in ACCELERATORS:
+        module = getattr(torch, name, None)
+        try:
+            if module is not None and module.is_available() and module.is_initialized():
+                found.append((name, module))
+        except (AttributeError, RuntimeError):  # a half-present backend: not in use
+            continue
+    return found
+
+
+ACCELERATORS = ("cuda", "npu")
+
+
 class ThreadContext:
     """What torch keeps per thread and a copy must see as its caller does: grad mode, the
-    saved-tensor hooks (activation offloading, memory accounting), autocast, the CUDA device and
-    stream (a new thread would start on device 0's default stream)."""
+    saved-tensor hooks (activation offloading, memory accounting), autocast, each accelerator's
+    device and current stream (a new thread would start on device 0's default stream)."""
 
     def __init__(self):
         import torch
 
         self.grad = torch.is_grad_enabled()
         self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        self.autocast = {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                         for device in ("cpu", "cuda")}
-        self.cuda = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            stream = torch.cuda.current_stream()
-            self.cuda = (stream.device_index, stream)
+        in_use = accelerators()
+        self.autocast = {}
+        for device in ("cpu", "cuda", *(name for name, _ in in_use if name != "cuda")):
+            try:
+                self.autocast[device] = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            except RuntimeError:  # a device type this torch cannot autocast
+                continue
+        self.streams = [(module, module.current_device(), module.current_stream()) for _, module in in_use]
 
     def enter(self) -> None:
         import torch
@@ -258,9 +278,9 @@ class ThreadContext:
         for device, (enabled, dtype) in self.autocast.items():  # a kept thread has the last run's
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
-        if self.cuda is not None:
-            torch.cuda.set_device(self.cuda[0])
-            torch.cuda.set_stream(self.cuda[1])
+        for module, device, stream in self.streams:
+            module.set_device(device)
+            module.set_stream(stream)
 
     def exit(self) -> None:
         import torch

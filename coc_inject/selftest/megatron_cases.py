@@ -50,14 +50,7 @@ def megatron_state(ctx, **sizes):
 def recorded(calls: list):
     """Every collective issued inside, in order: (name, shapes, copy). Entered before coc-inject is
     installed, it sits beneath coc-inject's wrappers and sees the order calls reach the network."""
-    import importlib
-    import inspect
-
-    import torch.distributed as dist
-
-    from coc_inject import copy_context
-    from coc_inject.multi_copy.collectives import COLLECTIVES, MEGATRON_ALIASES
-    from coc_inject.patches import Patches
+    from coc_inject import copy_context, dist_interception
 
     def recording(name, original):
         def record(*args, **kwargs):
@@ -70,21 +63,8 @@ def recorded(calls: list):
         record.__wrapped__ = original  # coc-inject finds async_op in the signature through it
         return record
 
-    patches, wrappers = Patches(), {}
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is not None:
-            wrappers[original] = wrappers[inspect.unwrap(original)] = recording(name, original)
-            patches.patch(dist, name, wrappers[original])
-    for module_name, aliases in MEGATRON_ALIASES.items():  # Megatron binds some at its import
-        module = importlib.import_module(module_name)
-        for alias in aliases:
-            if getattr(module, alias, None) in wrappers:
-                patches.patch(module, alias, wrappers[getattr(module, alias)])
-    try:
+    with dist_interception.replaced(recording):
         yield calls
-    finally:
-        patches.restore()
 
 
 def order_error(calls: list, ctx) -> float:

@@ -6,16 +6,14 @@ collective every rank issued (op, group, shape, copy) recorded in order, and the
 from __future__ import annotations
 
 import contextlib
-import importlib
 import inspect
 
 import torch
 import torch.distributed as dist
 
-from coc_inject import copy_context
+from coc_inject import copy_context, dist_interception
 from coc_inject.multi_copy import install as copies_install
 from coc_inject.multi_copy import collectives as copies_collectives
-from coc_inject.multi_copy.collectives import MEGATRON_ALIASES
 from coc_inject.multi_copy.cuts import KINDS
 from tests.context_parallel import cp_gpt_cases
 from tests.dist_harness import reinitialize_model_parallel
@@ -25,34 +23,20 @@ RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_
 
 
 class CollectiveRecorder:
-    """Every collective issued on this rank in order: (op, group ranks, shape, copy). Installed
-    beneath coc-inject's wrappers (and in place of Megatron's import-time aliases), so what it
-    sees is the order collectives reach the network."""
+    """Every collective issued on this rank in order: (op, group ranks, shape, copy, left in flight).
+    Entered before coc-inject's copies run (dist_interception nests), it sits beneath coc-inject's
+    wrappers and sees the order collectives reach the network."""
 
     def __init__(self):
         self.calls: list = []
-        self._originals: list = []
+        self._replaced = dist_interception.replaced(self._recording, RECORDED)
 
     def __enter__(self):
-        wrappers = {}
-        for name in RECORDED:
-            original = getattr(dist, name)
-            wrappers[original] = self._recording(name, original)
-            self._set(dist, name, wrappers[original])
-        for module_name, aliases in MEGATRON_ALIASES.items():
-            module = importlib.import_module(module_name)
-            for alias in aliases:
-                if getattr(module, alias, None) in wrappers:
-                    self._set(module, alias, wrappers[getattr(module, alias)])
+        self._replaced.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for owner, name, original in reversed(self._originals):
-            setattr(owner, name, original)
-
-    def _set(self, owner, name, value):
-        self._originals.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
+        self._replaced.__exit__(None, None, None)
 
     def _recording(self, name, original):
         parameters = list(inspect.signature(original).parameters)
@@ -156,6 +140,7 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
                 recorder.__exit__()
     result["autograd_calls"] = len(autograd_calls)
     result["routes"] = sorted(set(routes), key=repr)
+    result["backward_in_turn"] = sorted(why for why in routes.in_turn if why is not None)
     result["collectives"] = recorder.calls if recorder is not None else None
     return result
 
@@ -175,10 +160,17 @@ def _cut_waits(on: bool):
 
 @contextlib.contextmanager
 def recorded_routes():
-    """The (copies, reason) of every block call made inside, counted on into the coverage too."""
-    routes = []
+    """The (copies, reason) of every block call made inside, counted on into the coverage too;
+    ``.in_turn``: the calls' reasons for a backward in turn (None: it overlaps)."""
+
+    class Routes(list):
+        in_turn: set
+
+    routes = Routes()
+    routes.in_turn = set()
     count = copies_install._count
-    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)), count(*call))
+    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)),
+                                           routes.in_turn.add(call[2].backward_in_turn), count(*call))
     try:
         yield routes
     finally:

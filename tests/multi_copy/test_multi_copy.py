@@ -68,8 +68,12 @@ def test_with_fused_kernels(pool):
 @newest_only
 @pytest.mark.parametrize("granularity", ["selective", "full"])
 def test_with_recompute(pool, granularity):
+    """Selective recompute keeps the cuts; full recompute builds the layers' graph in the backward, so
+    its copies run their backward in turn, and the route says why."""
     extra = {"recompute_method": "uniform", "recompute_num_layers": 1} if granularity == "full" else {}
-    run(pool, tp=2, sp=True, b=4, recompute_granularity=granularity, **extra)
+    got = run(pool, tp=2, sp=True, b=4, recompute_granularity=granularity, **extra)
+    want = ["full recompute"] if granularity == "full" else []
+    assert all([why.split(" builds")[0] for why in r["backward_in_turn"]] == want for r in got), got[0]["backward_in_turn"]
 
 
 @newest_only

@@ -238,3 +238,89 @@ def test_auto_tries_the_counts_that_divide_the_micro_batch_and_a_fixed_count_its
     assert auto.candidates(2, False, False, batch=8) == [2]  # nothing to try
     assert auto.split_for(unchunked(4), auto.copies_block.Split(2, 8, ())) == auto.copies_block.Split(4, 8, (), False)
     assert auto.split_for(1, auto.copies_block.Split(2, 8, ())) is None
+
+
+class FakeNpu:
+    """torch.npu as torch_npu registers it, reduced to what the copies' threads carry: a per-thread
+    current device and stream, and a per-thread generator state (torch_npu's are per device)."""
+
+    def __init__(self):
+        import threading
+
+        self._thread = threading.local()
+        self.calls = []
+
+    def is_available(self):
+        return True
+
+    def is_initialized(self):
+        return True
+
+    def current_device(self):
+        return getattr(self._thread, "device", 0)
+
+    def set_device(self, device):
+        self.calls.append("set_device")
+        self._thread.device = device
+
+    def current_stream(self):
+        return getattr(self._thread, "stream", f"default stream of npu:{self.current_device()}")
+
+    def set_stream(self, stream):
+        self.calls.append("set_stream")
+        self._thread.stream = stream
+
+    def get_rng_state(self):
+        return torch.tensor([getattr(self._thread, "seed", 0)])
+
+    def set_rng_state(self, state):
+        self._thread.seed = int(state[0])
+
+    def draw(self):
+        self._thread.seed = getattr(self._thread, "seed", 0) + 1
+        return self._thread.seed
+
+
+def test_copies_carry_the_npu_device_stream_and_rng_state_as_cudas(monkeypatch):
+    """Each copy thread runs on its caller's NPU device and stream (not device 0's default stream)
+    and keeps its own NPU generator state between its turns; the caller goes on from copy 0's."""
+    from coc_inject.multi_copy import rng
+
+    npu = FakeNpu()
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+    npu.set_device(3)
+    npu.set_stream("stream 7 of npu:3")
+    npu.set_rng_state(torch.tensor([100]))
+
+    def copy():
+        seen = (npu.current_device(), npu.current_stream(), npu.draw())
+        copy_context.current().hand_over()
+        return seen + (npu.draw(),)
+
+    got = scheduler.CopyRun(2, save=rng.save, restore=rng.restore).run([copy, copy])
+    assert got == [(3, "stream 7 of npu:3", 101, 102)] * 2
+    assert npu.get_rng_state().item() == 102 and {"set_device", "set_stream"} <= set(npu.calls[2:])
+
+
+def test_torch_distributed_is_wrapped_only_while_copies_run():
+    """Installing multi-copy leaves torch.distributed and Megatron's aliases as they are; a copy run
+    wraps them (shared by the threads running copies: out at the last one's end) and puts them back."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer import transformer_block
+
+    from coc_inject.multi_copy import collectives
+
+    originals = (dist.all_reduce, dist.batch_isend_irecv, mappings.dist_all_gather_func)
+    install.install(CocConfig(multi_copy=2), transformer_block)
+    try:
+        assert (dist.all_reduce, dist.batch_isend_irecv, mappings.dist_all_gather_func) == originals
+        with collectives.INTERCEPTION.entered():
+            wrapped = (dist.all_reduce, dist.batch_isend_irecv, mappings.dist_all_gather_func)
+            assert all(w is not o and w.__wrapped__ is o for w, o in zip(wrapped, originals))
+            with collectives.INTERCEPTION.entered():  # a second thread's run
+                assert dist.all_reduce is wrapped[0]
+            assert dist.all_reduce is wrapped[0]  # the first run still runs
+        assert (dist.all_reduce, dist.batch_isend_irecv, mappings.dist_all_gather_func) == originals
+    finally:
+        job.uninstall()

@@ -1,0 +1,87 @@
+"""Every replacement of ``torch.distributed``'s collectives, and of Megatron's module-level aliases of
+them, goes through here: multi-copy's (only while copies run), the bench's compute-only twin and the
+tests' recorders. One place knows which functions there are and where Megatron bound copies of them
+at its import; each user says only what to put in their place.
+
+Replacements nest: a later one wraps whatever is in place when it is entered (a recorder beneath
+multi-copy's wrappers sees the order collectives reach the network), and leaving puts back what was
+there. Multi-copy's is shared by the threads running copies: the first to enter puts the wrappers in,
+the last to leave takes them out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import threading
+
+import torch.distributed as dist
+
+# torch.distributed's collectives that Megatron's layers and coc-inject's engines call (all with an
+# ``async_op`` parameter but batch_isend_irecv, whose point-to-point works are always asynchronous).
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+               "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single", "all_to_all", "broadcast",
+               "batch_isend_irecv")
+# Megatron binds these at import: module -> names holding a torch.distributed collective.
+MEGATRON_ALIASES = {
+    "megatron.core.tensor_parallel.mappings": ("dist_all_gather_func", "dist_reduce_scatter_func"),
+    "megatron.core.tensor_parallel.layers": ("dist_all_gather_func", "dist_reduce_scatter_func"),
+}
+
+
+@contextlib.contextmanager
+def replaced(make, names=COLLECTIVES):
+    """Inside, each collective in ``names`` is ``make(name, what_was_there)`` (None: left as it is),
+    in torch.distributed and in every Megatron alias holding it."""
+    saved, replacements = [], {}
+    for name in names:
+        current = getattr(dist, name, None)
+        replacement = None if current is None else make(name, current)
+        if replacement is None:
+            continue
+        replacements[current] = replacements[inspect.unwrap(current)] = replacement
+        saved.append((dist, name, current))
+        setattr(dist, name, replacement)
+    for module_name, aliases in MEGATRON_ALIASES.items():
+        try:  # imported now, or it would bind our replacement at its import and keep it after
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for alias in aliases:
+            current = getattr(module, alias, None)
+            if current in replacements or inspect.unwrap(current) in replacements:
+                saved.append((module, alias, current))
+                setattr(module, alias, replacements.get(current) or replacements[inspect.unwrap(current)])
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+
+
+class Shared:
+    """One replacement entered by several threads at once (multi-copy's copies, a run inside a copy):
+    in from the first :meth:`entered` to the last one's end."""
+
+    def __init__(self, make):
+        self._make = make
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._context = None
+
+    @contextlib.contextmanager
+    def entered(self):
+        with self._lock:
+            if self._depth == 0:
+                self._context = replaced(self._make)
+                self._context.__enter__()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    context, self._context = self._context, None
+                    context.__exit__(None, None, None)
