@@ -27,6 +27,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gathe
 MEGATRON_ALIASES = {
     "megatron.core.tensor_parallel.mappings": ("dist_all_gather_func", "dist_reduce_scatter_func"),
     "megatron.core.tensor_parallel.layers": ("dist_all_gather_func", "dist_reduce_scatter_func"),
+    "megatron.core.utils": ("dist_all_gather_func",),  # the embedding's deferred weight gradient
 }
 
 

@@ -7,8 +7,6 @@ test process, where the assertions are.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -19,32 +17,19 @@ COLLECTIVES = (
 )
 
 
-@contextlib.contextmanager
 def count_collectives(counts: dict):
     """Count collective calls, also through aliases Megatron bound at import time."""
-    import megatron.core.tensor_parallel.layers as layers
-    import megatron.core.tensor_parallel.mappings as mappings
-    import megatron.core.utils as utils
+    from coc_inject import dist_interception
 
-    originals = {getattr(dist, name): name for name in COLLECTIVES if hasattr(dist, name)}
-    restore = []
-
-    def counting(function, name):
+    def counting(name, function):
         def call(*args, **kwargs):
             counts[name] = counts.get(name, 0) + 1
             return function(*args, **kwargs)
+
+        call.__wrapped__ = function
         return call
 
-    for module in (dist, layers, mappings, utils):
-        for attr, value in list(vars(module).items()):
-            if callable(value) and value in originals:
-                restore.append((module, attr, value))
-                setattr(module, attr, counting(value, originals[value]))
-    try:
-        yield counts
-    finally:
-        for module, attr, value in restore:
-            setattr(module, attr, value)
+    return dist_interception.replaced(counting, COLLECTIVES)
 
 
 def tp_rank_size():

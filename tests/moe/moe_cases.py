@@ -174,9 +174,14 @@ class AllToAllRecorder:
     """Every all_to_all_single on this rank in order: (group ranks, output splits, input splits)."""
 
     def __enter__(self):
-        self.calls, self._original = [], dist.all_to_all_single
-        original = self._original
+        from coc_inject import dist_interception
 
+        self.calls = []
+        self._replaced = dist_interception.replaced(self._recording, ("all_to_all_single",))
+        self._replaced.__enter__()
+        return self
+
+    def _recording(self, name, original):
         def record(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **kwargs):
             as_list = lambda sizes: [int(s) for s in sizes] if sizes is not None else None  # noqa: E731
             self.calls.append((tuple(dist.get_process_group_ranks(group)) if group is not None else "world",
@@ -184,11 +189,10 @@ class AllToAllRecorder:
             return original(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
 
         record._splits_as_lists = True
-        dist.all_to_all_single = record
-        return self
+        return record
 
     def __exit__(self, *exc):
-        dist.all_to_all_single = self._original
+        self._replaced.__exit__(None, None, None)
 
 
 def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="random", shun=None, etp=1, **model):
