@@ -63,8 +63,14 @@ def recorded(calls: list):
         record.__wrapped__ = original  # coc-inject finds async_op in the signature through it
         return record
 
-    with dist_interception.replaced(recording):
-        yield calls
+    from coc_inject.multi_copy import segments
+
+    named, segments.NAME_COPIES = segments.NAME_COPIES, True  # the backward's collectives say their copy
+    try:
+        with dist_interception.replaced(recording):
+            yield calls
+    finally:
+        segments.NAME_COPIES = named
 
 
 def order_error(calls: list, ctx) -> float:

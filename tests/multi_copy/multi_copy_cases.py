@@ -32,10 +32,16 @@ class CollectiveRecorder:
         self._replaced = dist_interception.replaced(self._recording, RECORDED)
 
     def __enter__(self):
+        from coc_inject.multi_copy import segments
+
         self._replaced.__enter__()
+        self._named, segments.NAME_COPIES = segments.NAME_COPIES, True
         return self
 
     def __exit__(self, *exc):
+        from coc_inject.multi_copy import segments
+
+        segments.NAME_COPIES = self._named
         self._replaced.__exit__(None, None, None)
 
     def _recording(self, name, original):
