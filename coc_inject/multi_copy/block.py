@@ -5,9 +5,8 @@ A block call splits its micro-batch along the batch dimension into ``n`` copies 
 input's batch rows with them; rotary embeddings shared), runs Megatron's own block forward on
 each copy, the copies taking turns at their collectives (scheduler.py), and joins the outputs:
 one split and one join per block. The copies' forward marks their cut points (cuts.py); the
-block's backward is one autograd node that runs the copies' backward segment by segment from the
-thread autograd calls it on (segments.py), interleaved at their collectives in the same fixed order
-(like Megatron's reentrant recompute: the parameters' gradients accumulate from each copy's).
+block's backward is one autograd node that runs every copy's backward in one reentrant call on the
+thread autograd calls it on, their nodes interleaved at the cuts in a fixed order (segments.py).
 
 A call that copies cannot run exactly runs Megatron's block with a reason (:func:`plan`).
 """

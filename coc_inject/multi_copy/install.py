@@ -3,10 +3,12 @@
 (coc_inject.job: its patches, coverage and tuner are shared with the other wings).
 
 * ``TransformerBlock.forward`` runs a call as copies (block.py) or, with the reason, Megatron's.
-* (not here: ``torch.distributed``'s collectives are wrapped only while copies run, collectives.py)
 * Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
 * Megatron's global memory buffer: a name per copy; its DDP's grad-ready count: once per
   micro-batch although each copy accumulates.
+
+``torch.distributed``'s collectives are not patched here: the copies wrap them only while they run
+(collectives.INTERCEPTION).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class CopyAborted(RuntimeError):
     """Another copy failed: this one stops at its next hand-over."""
 
 
-class _Copies:
+class Copies:
     """What the code inside a copy reads of its run (copy_context.current()): the copy count, whether
     CoC chunks its linears, whether hand-overs are suspended, a count of what every copy reports, and
     what a collective's wait does (collectives.py)."""
@@ -77,8 +77,7 @@ class HandOverWork:
         return getattr(self._work, name)
 
 
-
-class CopyRun(_Copies):
+class CopyRun(Copies):
     """One round of ``n`` copies taking turns; :meth:`run` returns each copy's result in order."""
 
     def __init__(self, n: int, save: Callable[[], object] | None = None, restore: Callable[[object], None] | None = None,

@@ -16,8 +16,8 @@ issued after the other copy's kernels: that is the overlap. The gradient crossin
 only after that wait (by the cut's node, its only consumer); a residual branch's joins it after.
 
 The parameters' gradients accumulate as they do without copies: one AccumulateGrad per parameter,
-run once with the copies' gradients summed, with its hooks (Megatron's DDP hears of it once). A copy with no cut
-runs its whole backward in its band: the copies in turn, in the same order still.
+run once with the copies' gradients summed, with its hooks (Megatron's DDP hears of it once). A
+copy with no cut runs its whole backward in its band: the copies in turn, in the same order still.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import bisect
 import torch
 
 from coc_inject import copy_context
-from coc_inject.multi_copy.scheduler import _Copies
+from coc_inject.multi_copy.scheduler import Copies
 
 _TOP = 1 << 62  # new sequence numbers count down from here (the engine compares them only within a call)
 # Recorders of collectives (tests, the self-test) set it: every node then tells the code inside which
@@ -35,7 +35,7 @@ _TOP = 1 << 62  # new sequence numbers count down from here (the engine compares
 NAME_COPIES = False
 
 
-class Segmented(_Copies):
+class Segmented(Copies):
     """The copies' backward run (what the code inside sees as copy_context.current())."""
 
     def __init__(self, n: int, chunk_linears: bool = True):
@@ -84,7 +84,7 @@ def bands(output: torch.Tensor, cuts: list) -> tuple:
     cut opening segment k (None for segment 0), ``ends`` (node after a cut, kind) where that cut
     has exactly one such node. ``cuts``: (sequence number, node, kind) in forward order."""
     bounds = [seq for seq, _, _ in cuts]
-    kinds = {id(node): (k + 1, kind) for k, (_, node, kind) in enumerate(cuts)}
+    cut_ids = {id(node) for _, node, _ in cuts}
     segments = [[] for _ in range(len(cuts) + 1)]
     cut_nodes = [None] + [node for _, node, _ in cuts]
     consumers: dict = {}
@@ -92,12 +92,12 @@ def bands(output: torch.Tensor, cuts: list) -> tuple:
     seen, stack = {id(start)}, [start]
     while stack:
         node = stack.pop()
-        if id(node) not in kinds:
+        if id(node) not in cut_ids:
             segments[bisect.bisect_right(bounds, node._sequence_nr())].append(node)
         for next_node, _ in node.next_functions:
             if next_node is None or hasattr(next_node, "variable"):  # AccumulateGrad: runs when ready
                 continue
-            if id(next_node) in kinds:
+            if id(next_node) in cut_ids:
                 consumers.setdefault(id(next_node), []).append(node)
             if id(next_node) not in seen:
                 seen.add(id(next_node))
