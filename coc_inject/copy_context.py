@@ -1,5 +1,5 @@
 """Which copy of a multi-copy run the calling thread is, if any: what the linears, the tuner and the
-collectives' interception read, written by the multi-copy scheduler (stdlib only, bottom floor, so
+collectives' interception read, written by the multi-copy runs (scheduler.py, segments.py; stdlib only, bottom floor, so
 that the rooms reading it need not know the wing above them)."""
 
 from __future__ import annotations
