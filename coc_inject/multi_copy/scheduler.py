@@ -266,7 +266,7 @@ class ThreadContext:
                 self.autocast[device] = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
             except RuntimeError:  # a device type this torch cannot autocast
                 continue
-        self.streams = [(module, module.current_device(), module.current_stream()) for _, module in in_use]
+        self.streams = [(module, module.current_stream()) for _, module in in_use]
 
     def enter(self) -> None:
         import torch
@@ -277,8 +277,8 @@ class ThreadContext:
         for device, (enabled, dtype) in self.autocast.items():  # a kept thread has the last run's
             torch.set_autocast_enabled(device, enabled)
             torch.set_autocast_dtype(device, dtype)
-        for module, device, stream in self.streams:
-            module.set_device(device)
+        for module, stream in self.streams:
+            module.set_device(stream.device_index)
             module.set_stream(stream)
 
     def exit(self) -> None:

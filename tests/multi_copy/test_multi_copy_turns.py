@@ -240,6 +240,14 @@ def test_auto_tries_the_counts_that_divide_the_micro_batch_and_a_fixed_count_its
     assert auto.split_for(1, auto.copies_block.Split(2, 8, ())) is None
 
 
+class FakeStream:
+    def __init__(self, name, device_index):
+        self.name, self.device_index = name, device_index
+
+    def __repr__(self):
+        return self.name
+
+
 class FakeNpu:
     """torch.npu as torch_npu registers it, reduced to what the copies' threads carry: a per-thread
     current device and stream, and a per-thread generator state (torch_npu's are per device)."""
@@ -256,15 +264,13 @@ class FakeNpu:
     def is_initialized(self):
         return True
 
-    def current_device(self):
-        return getattr(self._thread, "device", 0)
-
     def set_device(self, device):
         self.calls.append("set_device")
         self._thread.device = device
 
     def current_stream(self):
-        return getattr(self._thread, "stream", f"default stream of npu:{self.current_device()}")
+        device = getattr(self._thread, "device", 0)
+        return getattr(self._thread, "stream", FakeStream(f"default stream of npu:{device}", device))
 
     def set_stream(self, stream):
         self.calls.append("set_stream")
@@ -288,17 +294,18 @@ def test_copies_carry_the_npu_device_stream_and_rng_state_as_cudas(monkeypatch):
 
     npu = FakeNpu()
     monkeypatch.setattr(torch, "npu", npu, raising=False)
+    stream = FakeStream("stream 7 of npu:3", 3)
     npu.set_device(3)
-    npu.set_stream("stream 7 of npu:3")
+    npu.set_stream(stream)
     npu.set_rng_state(torch.tensor([100]))
 
     def copy():
-        seen = (npu.current_device(), npu.current_stream(), npu.draw())
+        seen = (npu._thread.device, npu.current_stream(), npu.draw())
         copy_context.current().hand_over()
         return seen + (npu.draw(),)
 
     got = scheduler.CopyRun(2, save=rng.save, restore=rng.restore).run([copy, copy])
-    assert got == [(3, "stream 7 of npu:3", 101, 102)] * 2
+    assert got == [(3, stream, 101, 102)] * 2
     assert npu.get_rng_state().item() == 102 and {"set_device", "set_stream"} <= set(npu.calls[2:])
 
 
