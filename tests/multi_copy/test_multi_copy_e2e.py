@@ -55,8 +55,8 @@ def test_report_lists_the_block_and_why_not_where_copies_cannot_split(runs):
         for rank in range(2):
             report = json.loads((work / f"{name}_{rank}.json").read_text())
             blocks = [layer for layer in report["layers"] if layer["route"] == "multi-copy"]
-            assert [(b["name"], b["class"], b["layers"], b["copies"], b["reason"], b["calls"]) for b in blocks] == [
-                ("decoder", "TransformerBlock", 2, *want, STEPS)], blocks
+            assert [(b["name"], b["class"], b["layers"], b["copies"], b["reason"], b["backward_in_turn"], b["calls"])
+                    for b in blocks] == [("decoder", "TransformerBlock", 2, *want, None, STEPS)], blocks
             assert report["calls"]["multi-copy"] == STEPS and report["config"]["multi_copy"] == 2
     proc, _ = runs[1]["batch3"]
     assert "multi-copy: a TransformerBlock runs without copies: micro-batch 3 is not divisible by 2 copies" in proc.stderr
