@@ -41,9 +41,6 @@ class DeferredWork:
             for output, private in zip(*self._poisoned):
                 output.copy_(private)
 
-    def is_completed(self) -> bool:
-        return False
-
 
 def _deferred(original, args, kwargs, output_name):
     """Start ``original`` left in flight; with POISON into private outputs, the caller's NaN meanwhile."""

@@ -16,6 +16,7 @@ inside the backward, records none).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -63,7 +64,12 @@ def mark(x, kind: str):
 def is_column_parallel(module) -> bool:
     """A column-parallel linear whose input goes straight to its matmul (a fused layer norm in front,
     as TE's, reads the reduced gradient inside the same node: it is not cut)."""
-    names = [cls.__name__ for cls in type(module).__mro__]
+    return _column_class(type(module))
+
+
+@functools.lru_cache(maxsize=None)  # a block call walks every module: decided once per class
+def _column_class(cls) -> bool:
+    names = [base.__name__ for base in cls.__mro__]
     return any("ColumnParallelLinear" in name for name in names) and not any("LayerNorm" in name for name in names)
 
 

@@ -23,6 +23,7 @@ copy with no cut runs its whole backward in its band: the copies in turn, in the
 from __future__ import annotations
 
 import bisect
+import contextlib
 
 import torch
 
@@ -33,6 +34,17 @@ _TOP = 1 << 62  # new sequence numbers count down from here (the engine compares
 # Recorders of collectives (tests, the self-test) set it: every node then tells the code inside which
 # copy it runs (copy_context.current_copy()), a hook per node (~1.5 us each); nothing else needs it here.
 NAME_COPIES = False
+
+
+@contextlib.contextmanager
+def naming_copies():
+    """Inside, the backward names each node's copy (:data:`NAME_COPIES`): for recorders of collectives."""
+    global NAME_COPIES
+    named, NAME_COPIES = NAME_COPIES, True
+    try:
+        yield
+    finally:
+        NAME_COPIES = named
 
 
 class Segmented(Copies):

@@ -65,12 +65,8 @@ def recorded(calls: list):
 
     from coc_inject.multi_copy import segments
 
-    named, segments.NAME_COPIES = segments.NAME_COPIES, True  # the backward's collectives say their copy
-    try:
-        with dist_interception.replaced(recording):
-            yield calls
-    finally:
-        segments.NAME_COPIES = named
+    with dist_interception.replaced(recording), segments.naming_copies():  # the backward's copies named too
+        yield calls
 
 
 def order_error(calls: list, ctx) -> float:

@@ -29,20 +29,17 @@ class CollectiveRecorder:
 
     def __init__(self):
         self.calls: list = []
-        self._replaced = dist_interception.replaced(self._recording, RECORDED)
+        self._inside = contextlib.ExitStack()
 
     def __enter__(self):
         from coc_inject.multi_copy import segments
 
-        self._replaced.__enter__()
-        self._named, segments.NAME_COPIES = segments.NAME_COPIES, True
+        self._inside.enter_context(dist_interception.replaced(self._recording, RECORDED))
+        self._inside.enter_context(segments.naming_copies())
         return self
 
     def __exit__(self, *exc):
-        from coc_inject.multi_copy import segments
-
-        segments.NAME_COPIES = self._named
-        self._replaced.__exit__(None, None, None)
+        self._inside.close()
 
     def _recording(self, name, original):
         parameters = list(inspect.signature(original).parameters)
@@ -327,8 +324,8 @@ def train_fused(copies=2, **kwargs):
 
 def train_ddp(copies=2, steps=2, b=4, seq=32):
     """The GPT inside Megatron's DDP with overlap_grad_reduce (a parameter's gradient must be heard of
-    once per micro-batch: 0.13-0.16 assert "Cannot set grad twice"; the copies' backward accumulates
-    each parameter's gradient once per copy). Returns the losses and the reduced gradients (main_grad)
+    once per micro-batch: 0.13-0.16 assert "Cannot set grad twice"; the copies' backward sums every
+    copy's gradient into one AccumulateGrad run). Returns the losses and the reduced gradients (main_grad)
     of every step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import transformer_block
