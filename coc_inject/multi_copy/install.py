@@ -4,8 +4,10 @@
 
 * ``TransformerBlock.forward`` runs a call as copies (block.py) or, with the reason, Megatron's.
 * Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
-* Megatron's global memory buffer: a name per copy; its DDP's grad-ready count: once per
-  micro-batch although each copy accumulates.
+* Megatron's global memory buffer: a name per copy.
+
+Megatron's DDP needs nothing: the copies' backward runs each parameter's AccumulateGrad once per
+micro-batch, with every copy's gradient summed (segments.py).
 
 ``torch.distributed``'s collectives are not patched here: the copies wrap them only while they run
 (collectives.INTERCEPTION).
@@ -35,7 +37,6 @@ def _install(installation, transformer_block_module) -> None:
     patches = installation.patches
     _patch_gather_mapping(patches)
     _patch_memory_buffer(patches)
-    _patch_grad_ready(patches)
     cls = transformer_block_module.TransformerBlock
     patches.patch(cls, "forward", _copies_forward(installation, patches.original(cls, "forward")))
 
@@ -71,29 +72,6 @@ def _patch_memory_buffer(patches) -> None:
         return original(self, tensor_shape, dtype, name if copy is None else f"{name}@copy{copy}", *args, **kwargs)
 
     patches.patch(cls, "get_tensor", get_tensor)
-
-
-def _patch_grad_ready(patches) -> None:
-    """Megatron's DDP with overlap_grad_reduce counts a parameter's gradient ready once per
-    micro-batch ("Cannot set grad twice"); with copies it accumulates once per copy: the bucket
-    hears of it at the last copy's, when the whole gradient is in."""
-    try:
-        from megatron.core.distributed import param_and_grad_buffer
-    except ImportError:
-        return
-    cls = getattr(param_and_grad_buffer, "_ParamAndGradBucketGroup", None)
-    if cls is None or "register_grad_ready" not in cls.__dict__:
-        return
-    original = patches.original(cls, "register_grad_ready")
-
-    @functools.wraps(original)
-    def register_grad_ready(self, param, *args, **kwargs):
-        run = copy_context.current()
-        if run is not None and run.count_once(param) < run.n:
-            return None
-        return original(self, param, *args, **kwargs)
-
-    patches.patch(cls, "register_grad_ready", register_grad_ready)
 
 
 def _copies_forward(installation, original):

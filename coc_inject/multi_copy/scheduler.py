@@ -30,15 +30,14 @@ class CopyAborted(RuntimeError):
 
 class Copies:
     """What the code inside a copy reads of its run (copy_context.current()): the copy count, whether
-    CoC chunks its linears, whether hand-overs are suspended, a count of what every copy reports, and
-    what a collective's wait does (collectives.py)."""
+    CoC chunks its linears, whether hand-overs are suspended, and what a collective's wait does
+    (collectives.py)."""
 
     def __init__(self, n: int, chunk_linears: bool = True):
         self.n = n
         self.chunk_linears = chunk_linears
         self.alone = 0  # > 0: hand-overs are suspended (alone())
         self.cuts = None  # a forward recording its cut points: one list per copy (cuts.mark)
-        self._counts: dict = {}
 
     def defers(self, kind) -> bool:
         """Is a collective of ``kind`` issued now left in flight past its caller's wait?"""
@@ -54,11 +53,6 @@ class Copies:
     def complete(self, copy) -> None:
         """Wait for ``copy``'s collectives left in flight (a cut's backward reaching them)."""
         return None
-
-    def count_once(self, item) -> int:
-        """How many copies have now reported ``item`` (this one included)."""
-        self._counts[id(item)] = self._counts.get(id(item), 0) + 1
-        return self._counts[id(item)]
 
 
 class HandOverWork:

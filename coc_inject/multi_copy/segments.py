@@ -55,11 +55,6 @@ class Segmented(Copies):
         self.deferring = None  # (kind, copy) inside a node right after a cut, else None
         self.pending = [[] for _ in range(n)]  # each copy's collectives in flight
 
-    def count_once(self, item) -> int:
-        # One backward call over every copy: the engine sums a parameter's copies' gradients in its
-        # AccumulateGrad's input, which runs once, with every copy's in.
-        return self.n
-
     def defers(self, kind) -> bool:
         return self.deferring is not None and kind == self.deferring[0]
 

@@ -1,9 +1,8 @@
 """The baton of multi-copy parallel on its own: copies run one at a time and hand over where they
-would wait, in a fixed order; a failing copy stops the others; Megatron's DDP hears of a
-parameter's gradient once per micro-batch although each copy accumulates it."""
+would wait, in a fixed order; a failing copy stops the others; the copies' backward interleaves
+them at their cuts on one thread."""
 
 import threading
-import types
 
 import pytest
 import torch
@@ -119,43 +118,20 @@ def test_copies_see_their_own_rng_state_and_the_caller_goes_on_from_copy_0s():
     assert torch.equal(after, torch.get_rng_state())
 
 
-@pytest.mark.parametrize("segmented", [False, True], ids=["copies-on-threads", "segmented-backward"])
-def test_megatrons_ddp_hears_once_per_parameter_when_every_copy_accumulated(monkeypatch, segmented):
-    """Megatron's DDP (overlap_grad_reduce) asserts "Cannot set grad twice" (0.13-0.16) or learns a
-    count per parameter at the first batch (0.17+): either way it must hear of a parameter once per
-    micro-batch, as without copies -- each copy reporting it (copies on threads), or the one
-    AccumulateGrad that the segmented backward runs with every copy's gradient summed."""
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+def test_install_patches_the_block_the_gather_mapping_and_the_memory_buffer_only():
+    """Megatron's DDP needs no patch (its grad-ready count once per micro-batch: the copies' backward
+    runs each AccumulateGrad once, tests/multi_copy/test_multi_copy.py's DDP case); nothing dead stays."""
+    from megatron.core import utils
+    from megatron.core.tensor_parallel import layers
     from megatron.core.transformer import transformer_block
-
-    from coc_inject.multi_copy import segments
-
-    heard = []
-    monkeypatch.setattr(_ParamAndGradBucketGroup, "register_grad_ready",
-                        lambda self, param, *args, **kwargs: heard.append(param))
-    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
-    group = object.__new__(_ParamAndGradBucketGroup)
-
-    def copy():
-        for param in params:
-            group.register_grad_ready(param)
-            copy_context.current().hand_over()
 
     install.install(CocConfig(multi_copy=2), transformer_block)
     try:
-        if segmented:
-            copy_context.enter(segments.Segmented(2), None)
-            try:
-                for param in params:
-                    group.register_grad_ready(param)
-            finally:
-                copy_context.leave()
-        else:
-            scheduler.CopyRun(2).run([copy, copy])
-        group.register_grad_ready(params[0])  # outside copies: passed on as it is
+        patched = set(job.current().patches.patched())
     finally:
         job.uninstall()
-    assert heard == [params[0], params[1], params[0]]
+    assert patched == {(transformer_block.TransformerBlock, "forward"), (utils.GlobalMemoryBuffer, "get_tensor"),
+                       (layers, "reduce_scatter_to_sequence_parallel_region")}, patched
 
 
 def test_segmented_backward_interleaves_the_copies_at_their_cuts_on_one_thread():
