@@ -164,10 +164,10 @@ class CopiesRunner:
         return torch.cat(grad_pieces, dim=1), grad_params
 
 
-def backward_in_turn(block) -> str | None:
-    """Why the copies of the block's last call cannot overlap in their backward (they marked no cut
-    point), or None."""
-    if not torch.is_grad_enabled() or getattr(block, "_coc_copies_cut", True):
+def backward_in_turn(block, cut: bool) -> str | None:
+    """Why the copies of a block call cannot overlap in their backward (``cut``: their forward marked
+    a cut point), or None."""
+    if cut or not torch.is_grad_enabled():
         return None
     if getattr(block.config, "recompute_granularity", None) == "full":
         return "full recompute builds the layers' graph in the backward, where no cut is recorded"
@@ -202,17 +202,22 @@ def bind(original, block, args, kwargs) -> dict:
     return arguments
 
 
-def run_copies(block, original, arguments: dict, split: Split, params_for_grad: bool = False):
+def copies_call(block, original, arguments: dict, split: Split, params_for_grad: bool = False) -> tuple:
     """The block call (``arguments``: from :func:`bind`) as ``split.copies`` copies (``split`` from
-    :func:`plan`). ``params_for_grad``: the parameters are inputs of the autograd node (for
-    ``torch.autograd.grad`` over them: auto's trials)."""
+    :func:`plan`): ``(output, why the copies' backward runs in turn or None)``, handed back to the
+    caller rather than left on the block. ``params_for_grad``: the parameters are inputs of the
+    autograd node (for ``torch.autograd.grad`` over them: auto's trials)."""
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     bound_original = original.__get__(block, type(block))
     runner = CopiesRunner(block, bound_original, arguments, split)
     if not torch.is_grad_enabled():
         _, outputs = runner.forward(hidden, grad=False)
-        return torch.cat(outputs, dim=1)
+        return torch.cat(outputs, dim=1), None
     params = [p for p in block.parameters() if p.requires_grad] if params_for_grad else []
     output = CopiesThroughBlock.apply(runner, hidden, *params)
-    block._coc_copies_cut = any(runner.cuts)  # read by the route's count
-    return output
+    return output, backward_in_turn(block, any(runner.cuts))
+
+
+def run_copies(block, original, arguments: dict, split: Split, params_for_grad: bool = False):
+    """:func:`copies_call`'s output alone (auto's trials)."""
+    return copies_call(block, original, arguments, split, params_for_grad)[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import weakref
 
 from coc_inject import copy_context, job, log
 from coc_inject.config import AUTO
@@ -95,16 +96,24 @@ def _copies_forward(installation, original):
         if split is None:
             _count(installation, self, CopiesRoute(1, len(self.layers), reason))
             return original(self, *args, **kwargs)
-        output = copies_block.run_copies(self, original, arguments, split)
-        _count(installation, self, CopiesRoute(split.copies, len(self.layers), None,
-                                               copies_block.backward_in_turn(self)))
+        output, in_turn = copies_block.copies_call(self, original, arguments, split)
+        _count(installation, self, CopiesRoute(split.copies, len(self.layers), None, in_turn))
         return output
 
     return forward
 
 
+def last_route(block) -> CopiesRoute | None:
+    """The route of ``block``'s last call (tests, the self-test, a user asking), None before its first;
+    kept here, not on Megatron's object."""
+    return _last_routes.get(block)
+
+
+_last_routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> its last call's route
+
+
 def _count(installation, block, route: CopiesRoute) -> None:
-    block._coc_multi_copy = route  # this block's last route (tests, and a user poking at the model)
+    _last_routes[block] = route
     if route.reason is not None and route.reason != AUTO_STEPPED_ASIDE:
         log.once(("multi-copy", route.reason), logging.WARNING,
                  f"multi-copy: a TransformerBlock runs without copies: {route.reason}")

@@ -54,7 +54,7 @@ def _case(ctx, case, backend) -> dict:
 
     config = CocConfig(multi_copy=COPIES)
     errors, times, calls, route = against_megatron(ctx, step, lambda: copies.install(config, transformer_block),
-                                                   lambda: getattr(block, "_coc_multi_copy", None),
+                                                   lambda: copies.last_route(block),
                                                    truth_step=lambda: step(COPIES))
     ran = route is not None and route.copies == COPIES
     errors["copies ran"] = common.max_over_ranks(float(not ran), ctx.group, ctx.device)

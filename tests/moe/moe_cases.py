@@ -17,6 +17,7 @@ from coc_inject import job
 from coc_inject.bench.cases.moe import cpu_moe_shims
 from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
 from coc_inject.config import CocConfig
+from coc_inject.multi_copy.install import last_route
 from tests.dist_harness import reinitialize_model_parallel
 
 _state_key = None
@@ -326,7 +327,7 @@ def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, cp=1,
         optimizer.step()
         losses.append(loss.item())
     routes = [route_of(m) for m in gpt.modules() if isinstance(m, MoELayer) and hasattr(m, "_coc_moe")]
-    blocks = [m._coc_multi_copy.reason for m in gpt.modules() if hasattr(m, "_coc_multi_copy")]
+    blocks = [last_route(m).reason for m in gpt.modules() if last_route(m) is not None]
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in gpt.named_parameters()}, "routes": routes,
             "blocks": blocks}
 

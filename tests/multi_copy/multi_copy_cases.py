@@ -364,10 +364,38 @@ def train_ddp(copies=2, steps=2, b=4, seq=32):
                 for p in model.parameters():
                     p -= 0.5 * p.main_grad
             losses.append(loss.item())
-        routes = sorted({repr(getattr(m, "_coc_multi_copy", None)) for m in model.modules()
+        routes = sorted({repr(copies_install.last_route(m)) for m in model.modules()
                          if type(m).__name__ == "TransformerBlock"})
     finally:
         job.uninstall()
         for name, value in cuda.items():
             setattr(torch.cuda, name, value)
     return {"losses": losses, "grads": grads, "routes": routes}
+
+
+def block_call_attributes(copies=2):
+    """One TransformerBlock call as ``copies`` copies (TP = the world, SP), forward and backward: the
+    route it took (install.last_route) and every attribute naming coc-inject on the block or its
+    modules afterwards (none may be left on Megatron's objects)."""
+    import types
+
+    from megatron.core.transformer import transformer_block
+
+    from coc_inject import job
+    from coc_inject.bench.cases.layer import build_block
+    from coc_inject.config import CocConfig
+
+    world = dist.get_world_size()
+    cp_gpt_cases.setup(world, 1)
+    sizes = types.SimpleNamespace(layers=1, batch=2 * copies, seq=8 * world, heads=world, hidden=8 * world,
+                                  ffn=16 * world)
+    block, hidden, mask = build_block(sizes)
+    copies_install.install(CocConfig(multi_copy=copies), transformer_block)
+    try:
+        block(hidden.requires_grad_(), mask).sum().backward()
+        route = copies_install.last_route(block)
+    finally:
+        job.uninstall()
+    left = sorted(f"{name or 'block'}.{attribute}" for name, module in block.named_modules()
+                  for attribute in vars(module) if "coc" in attribute.lower())
+    return {"copies": route.copies if route else None, "reason": getattr(route, "reason", None), "left": left}

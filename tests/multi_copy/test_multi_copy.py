@@ -158,6 +158,15 @@ def test_a_micro_batch_copies_cannot_split_runs_megatrons_block(pool, b, reason)
 
 
 @newest_only
+def test_a_block_call_with_copies_leaves_no_coc_attribute_on_megatrons_objects(pool):
+    """What a call found out (its route, whether its copies cut their backward) comes back through the
+    call; nothing per call is left on the block or its modules."""
+    got = pool.run("tests.multi_copy.multi_copy_cases:block_call_attributes", copies=2)
+    assert all(r["copies"] == 2 and r["reason"] is None for r in got), got
+    assert all(r["left"] == [] for r in got), [r["left"] for r in got]
+
+
+@newest_only
 def test_dropout_runs_megatrons_block_with_the_reason(pool):
     got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, b=4, steps=1, hidden_dropout=0.1)
     assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "dropout > 0" in r["routes"][0][1]
