@@ -1,0 +1,164 @@
+"""One MoE layer call: whether it runs as pieces, its state while it runs, and its pieces.
+
+``MoELayer.forward``'s wrapper decides per call (guards.py, auto's decisions) and makes the call's
+state (:class:`MoECall`) the current one for exactly the length of Megatron's forward: a context
+variable, reset in a ``finally``. The stages stages.py wraps read it there; nothing is written to
+Megatron's layer, dispatcher or experts for a call. A stage of another layer, or one run outside a
+layer's forward, finds no call of its own and runs as Megatron wrote it: Megatron's MoE recompute
+(``recompute_modules=["moe"]``) re-runs the layer's routing, dispatch, experts and combine from the
+backward, outside the forward, so the recompute runs Megatron's dispatcher on the same rows and
+experts (the forward's output came from the pieces, equal within rounding).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from coc_inject import job, log
+from coc_inject.moe import auto, counts, guards
+from coc_inject.moe.function import PieceRun, PipelinedExperts
+from coc_inject.routes import MoERoute
+
+# COC_MOE_OVERLAP=1 cuts each local expert's rows into chunks up to this many pieces: with P pieces a
+# layer takes about max(C, M) + min(C, M) / P, so 8 pieces reach 8/9 of the limit max(C, M) at C = M.
+MIN_PIECES = 8
+MOE = job.MOE  # this wing's tuner
+AUTO_CHOSE_MEGATRON = "auto: Megatron's dispatcher was faster for this shape"
+DECIDING = -1  # a call of COC_MOE_OVERLAP=auto whose shape is decided in the experts' place
+
+
+def chunks_per_expert(local_experts: int) -> int:
+    return max(1, math.ceil(MIN_PIECES / local_experts))
+
+
+@dataclass
+class MoECall:
+    """A layer call running as pieces, from its forward's start to its end."""
+
+    installation: object
+    layer: object
+    chunks: int | str  # per local expert; DECIDING; auto.MEGATRON once auto chose Megatron's dispatcher
+    megatron_middle: Callable  # (call, tokens, probs) -> combined rows: dispatch, experts, combine as Megatron
+    key: object = None  # auto's MoEKey
+    tokens_per_expert: object = None  # Megatron's, on the host (its dispatch_postprocess returns it)
+    sent: list = None  # rows this rank sends each global expert
+    received: list = None  # rows each (TP, EP) rank sends each local expert, [tp * ep * local]
+
+    @property
+    def dispatcher(self):
+        return self.layer.token_dispatcher
+
+    @property
+    def experts(self):
+        return self.layer.experts
+
+    def take_counts(self, host_tokens_per_expert) -> None:
+        """The counts counts.riding sent along with Megatron's, now on the host."""
+        self.tokens_per_expert, self.sent, self.received = counts.split(self.dispatcher, host_tokens_per_expert)
+
+    def run_experts(self, tokens, probs):
+        """Dispatch, experts and combine of the deferred rows: the combined rows in the dispatcher's
+        permuted order (auto decides here at a shape's first call)."""
+        if self.chunks == DECIDING:
+            with auto.without_fused_accumulation(self.experts):
+                self.chunks = auto.choose(
+                    self.installation.tuner(MOE), self.key, self.dispatcher.ep_group, tokens, probs,
+                    lambda t, p: self.megatron_middle(self, t, p),
+                    lambda t, p, chunks: self.pieces(t, p, chunks, accumulate=False))
+        if self.chunks == auto.MEGATRON:
+            return self.megatron_middle(self, tokens, probs)
+        return self.pieces(tokens, probs, self.chunks)
+
+    def pieces(self, tokens, probs, chunks: int, accumulate: bool = True):
+        """The combined rows of the pieces at ``chunks`` per expert."""
+        experts, dispatcher = self.experts, self.dispatcher
+        apply_on_input = experts.config.moe_apply_probs_on_input
+
+        def expert(index, rows, row_probs):
+            if apply_on_input:  # as SequentialMLP: probs scale the input, then count as 1
+                rows = (row_probs.unsqueeze(-1) * rows).to(rows.dtype)
+                row_probs = torch.ones_like(row_probs)
+            output, _ = experts.local_experts[index](rows, row_probs)
+            return output
+
+        parameters = any(p.requires_grad for p in experts.parameters())
+        needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or parameters)
+        tp_group = dispatcher.tp_group if dispatcher.tp_size > 1 else None
+        layout = counts.piece_layout(dispatcher, chunks, self.sent, self.received)
+        run = PieceRun(layout, expert, dispatcher.ep_group, tp_group, dispatcher.probs.dtype, needs_grad, accumulate)
+        return PipelinedExperts.apply(tokens, probs, run)
+
+
+_current: contextvars.ContextVar = contextvars.ContextVar("coc_inject_moe_call", default=None)
+
+
+def current(owner) -> MoECall | None:
+    """The running call if ``owner`` (a layer, its dispatcher or its experts) is one of its objects."""
+    call = _current.get()
+    if call is None or not (owner is call.layer or owner is call.dispatcher or owner is call.experts):
+        return None
+    return call
+
+
+def layer_forward(installation, original, chunks: int | None, megatron_middle: Callable):
+    """``MoELayer.forward``: decide the call, run Megatron's forward with the call current, count it."""
+    deciding = installation.config.moe_overlap == "auto"
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        reason = _layer_reason(self) or guards.call_reason(self)
+        call = None
+        if reason is None:
+            call = MoECall(installation, self, chunks or chunks_per_expert(self.token_dispatcher.num_local_experts),
+                           megatron_middle)
+            if deciding:
+                call.key = auto.key_of(self, hidden_states)
+                decided = installation.tuner(MOE).decisions.get(call.key)
+                call.chunks = DECIDING if decided is None else decided.choice
+                if call.chunks == auto.MEGATRON:
+                    call, reason = None, AUTO_CHOSE_MEGATRON
+        scope = _current.set(call)
+        try:
+            output = original(self, hidden_states, *args, **kwargs)
+        finally:
+            _current.reset(scope)
+        _count(installation, self, call, reason)
+        return output
+
+    return forward
+
+
+def _layer_reason(layer):
+    """guards.layer_reason, once per layer (its construction, not its input)."""
+    cached = layer.__dict__.get("_coc_moe_layer_reason", _unset)
+    if cached is _unset:
+        cached = layer.__dict__["_coc_moe_layer_reason"] = guards.layer_reason(layer)
+    return cached
+
+
+_unset = object()
+
+
+def _count(installation, layer, call, reason) -> None:
+    if call is not None and call.chunks == auto.MEGATRON:  # auto decided at this call
+        call, reason = None, AUTO_CHOSE_MEGATRON
+    if call is None:
+        route = MoERoute(0, 0, reason)
+    else:
+        route = MoERoute(call.dispatcher.num_local_experts * call.chunks, call.chunks)
+    layer._coc_moe = route  # this layer's last route (tests, selftest, a user poking at the model)
+    if reason is not None and reason != AUTO_CHOSE_MEGATRON:
+        log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")
+    if installation.coverage is not None:
+        installation.coverage.count(layer, route, None, _no_shape)
+
+
+def _no_shape(layer, input_) -> list:
+    return []
