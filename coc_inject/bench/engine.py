@@ -51,10 +51,12 @@ def progress(tag: str, message: str) -> None:
         sys.stderr.flush()
 
 
-def measure(runs: dict, reps: int, *, warm_ups: int = 1, tag: str = "coc-inject bench", label: str = "") -> tuple:
+def measure(runs: dict, reps: int, *, device: torch.device, warm_ups: int = 1, tag: str = "coc-inject bench",
+            label: str = "") -> tuple:
     """Every run ``warm_ups`` times, then ``reps`` rotating rounds. Returns (times, kept): times
     ``{name: {pass: [seconds per repetition]}}``, the MAX over ranks (the same on every rank); kept
-    ``{name: [what the run kept, per timed repetition]}`` (this rank's)."""
+    ``{name: [what the run kept, per timed repetition]}`` (this rank's). ``device``: the one the bench
+    runs on, where the group's backend (NCCL, HCCL, gloo) takes the timings' all-reduce."""
     names = list(runs)
     warm, timed = schedule(names, rounds=reps, warm_ups=warm_ups)
     for name in warm:
@@ -69,16 +71,16 @@ def measure(runs: dict, reps: int, *, warm_ups: int = 1, tag: str = "coc-inject 
             times[name].setdefault(phase, []).append(value)
         if extra is not None:
             kept[name].append(extra)
-    return slowest_rank(times), kept
+    return slowest_rank(times, device), kept
 
 
-def slowest_rank(times: dict) -> dict:
-    """``{name: {pass: [seconds]}}`` with each figure the MAX over ranks (one all-reduce; in a single
-    process, as it is)."""
+def slowest_rank(times: dict, device: torch.device) -> dict:
+    """``{name: {pass: [seconds]}}`` with each figure the MAX over ranks (one all-reduce on ``device``,
+    the bench's: NCCL and HCCL take no CPU tensor; in a single process, as it is)."""
     flat = [value for passes in times.values() for samples in passes.values() for value in samples]
     if not flat or not dist.is_initialized():
         return times
-    slowest = torch.tensor(flat, dtype=torch.float64)
+    slowest = torch.tensor(flat, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     values = iter(slowest.tolist())
     return {name: {phase: [next(values) for _ in samples] for phase, samples in passes.items()}

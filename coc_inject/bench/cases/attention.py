@@ -220,7 +220,7 @@ def run_rank(args, device) -> dict | None:
     for v in ring_variants:
         for kind in (COMPUTE_ONLY, COMM_ONLY):
             runs[f"{v.name}:{kind}"] = _twin(schedules[v.name], inputs, timer, kernel_of[v.name], kind)
-    times, kept = engine.measure(runs, args.reps, tag=TAG, label=f"CP={cp}: ")
+    times, kept = engine.measure(runs, args.reps, device=device, tag=TAG, label=f"CP={cp}: ")
     engine.progress(TAG, f"CP={cp}: timeline of one ring call")
     ring_timeline = timeline(schedules["ring"], inputs, kernel_of["ring"])
 

@@ -63,7 +63,7 @@ def block_kernels(reps: int) -> dict:
     runs = {"cpu-flash": run(cpu.KERNEL, tile), "reference": run(reference.KERNEL, tile),
             UNTILED: run(reference.KERNEL, 1 << 30)}  # one tile: the reference kernel as it was before #19
     try:
-        times, _ = engine.measure(runs, reps, tag=TAG, label="block: ")
+        times, _ = engine.measure(runs, reps, device=q.device, tag=TAG, label="block: ")
     finally:
         reference.TILE = tile
     times = {name: passes["fwd_bwd"] for name, passes in times.items()}
@@ -129,7 +129,7 @@ def ring_rank(args, device) -> dict | None:
     timer = engine.Timer(device)
     runs = {"ring": lambda: {"fwd_bwd": timer(ring)[1]},  # sdpa: rank 0's, the other rank reports 0
             "sdpa": lambda: {"fwd_bwd": sum(attention_inputs.sdpa_call(whole))}}
-    times, _ = engine.measure(runs, args.reps, tag=TAG, label=f"seq {args.seq} {args.dtype}: ")
+    times, _ = engine.measure(runs, args.reps, device=device, tag=TAG, label=f"seq {args.seq} {args.dtype}: ")
     if rank != 0:
         return None
     ring_times, sdpa_times = times["ring"]["fwd_bwd"], times["sdpa"]["fwd_bwd"]

@@ -79,7 +79,7 @@ def rank_work(args, device) -> dict | None:
     timer = engine.Timer(device)
     with tempfile.TemporaryDirectory() as scratch:  # CoC auto's trials in the warm-up, kept by this cache
         runs = {name: engine.fwd_bwd(timer, step, variant(name, f"{scratch}/tune.json")) for name in VARIANTS}
-        times, _ = engine.measure(runs, args.reps, tag="coc-inject bench layer")
+        times, _ = engine.measure(runs, args.reps, device=device, tag="coc-inject bench layer")
     if torch.distributed.get_rank() != 0:
         return None
     sys.stderr.write("\n")

@@ -163,7 +163,7 @@ def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmu
     runs = {v: layer_run(v) for v in ["megatron", *(f"N={c}" for c in fixed), *([AUTO_VARIANT] if auto else [])]}
     runs["compute-only"] = alone(lambda: torch.matmul(rows_in, layer.weight.t()))
     runs["comm-only"] = alone(_comm_only(case, layer, x, layer.tp_group))
-    times, kept = engine.measure(runs, reps, warm_ups=warmup, label=f"{case.label}: ")
+    times, kept = engine.measure(runs, reps, device=device, warm_ups=warmup, label=f"{case.label}: ")
     patching.uninstall()
     shown = max(fixed) if fixed else max(decided["chunks"], 2)
     result = {"case": case.name, "label": case.label, "times": times, "timeline": timeline(layer, x, shown)}

@@ -122,7 +122,8 @@ def rank_work(args, device) -> list | None:
 
             # the warm-up makes auto's trials, decided once, kept by the cache
             runs = {name: engine.fwd_bwd(timer, step, variant(name)) for name in variants()}
-            times, _ = engine.measure(runs, args.reps, tag="coc-inject bench moe", label=f"{local} local: ")
+            times, _ = engine.measure(runs, args.reps, device=device, tag="coc-inject bench moe",
+                                      label=f"{local} local: ")
             decision = auto_choice[0]
             results.append(summarize(local, ep, args.moe_topk, {n: report.totals(t) for n, t in times.items()},
                                      None if decision is None else decision.choice))
