@@ -4,6 +4,7 @@ and what it calls, for the source checks that hold the package to an allow-list.
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 from dataclasses import dataclass
 
@@ -22,14 +23,15 @@ class Site:
         return f"coc_inject/{self.module}:{self.line} in {self.function or '<module>'}"
 
 
-def calls() -> list:
-    """Every call in the package's source."""
+@functools.lru_cache(maxsize=1)
+def calls() -> tuple:
+    """Every call in the package's source (read once per test process)."""
     sites = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = path.relative_to(PACKAGE).as_posix()
         tree = ast.parse(path.read_text(), filename=str(path))
         _visit(tree, module, [], None, sites)
-    return sites
+    return tuple(sites)
 
 
 def _visit(node, module: str, scope: list, parent, sites: list) -> None:
