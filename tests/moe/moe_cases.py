@@ -172,12 +172,13 @@ def route_of(layer) -> tuple:
 
 
 class AllToAllRecorder:
-    """Every all_to_all_single on this rank in order: (group ranks, output splits, input splits)."""
+    """Every all_to_all_single on this rank in order: (group ranks, output splits, input splits); and
+    the devices of their tensors (NCCL/HCCL take only the job's device)."""
 
     def __enter__(self):
         from coc_inject import dist_interception
 
-        self.calls = []
+        self.calls, self.devices = [], set()
         self._replaced = dist_interception.replaced(self._recording, ("all_to_all_single",))
         self._replaced.__enter__()
         return self
@@ -187,6 +188,7 @@ class AllToAllRecorder:
             as_list = lambda sizes: [int(s) for s in sizes] if sizes is not None else None  # noqa: E731
             self.calls.append((tuple(dist.get_process_group_ranks(group)) if group is not None else "world",
                                as_list(output_split_sizes), as_list(input_split_sizes)))
+            self.devices.update((str(output.device), str(input.device)))
             return original(output, input, output_split_sizes, input_split_sizes, group=group, **kwargs)
 
         record._splits_as_lists = True
@@ -221,6 +223,7 @@ def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="ra
         "same_params": sorted(got[2]) == sorted(want[2]),
         "received": None if counts is None else torch.as_tensor(counts).tolist(),
         "unpatched_calls": unpatched.calls, "calls": patched.calls,
+        "off_device": sorted(patched.devices - {str(x.device)}),
     }
 
 

@@ -29,7 +29,9 @@ def check_exact(results, chunks):
 
 
 def check_order(results, pieces):
-    """The same all-to-alls in the same order on every rank of a group; rank i sends rank j what j expects."""
+    """The same all-to-alls in the same order on every rank of a group; rank i sends rank j what j expects;
+    every tensor on the device of the job's."""
+    assert all(r["off_device"] == [] for r in results), [r["off_device"] for r in results]
     calls = [r["calls"] for r in results]
     assert len({len(c) for c in calls}) == 1
     assert len(calls[0]) == 6 * pieces  # per piece: dispatch (tokens, probs) and combine; backward the same three
