@@ -77,18 +77,15 @@ class LinearRouter:
                           coc_input.device.type, backward)
 
         def run(chunks: int) -> None:
-            # Detached input and gradient_accumulation_fusion off: a trial touches no parameter
-            # gradient (autograd.grad returns only the input's), whichever path it runs.
+            # A detached input, gradients for it alone, inside the tuner's trial.isolated(layer): a
+            # trial touches no parameter gradient, whichever path it runs.
             x = (call.megatron_input if chunks == 1 else coc_input).detach().requires_grad_(backward)
-            fusion, layer.gradient_accumulation_fusion = layer.gradient_accumulation_fusion, False
-            try:
-                output = (call.run_megatron(x) if chunks == 1 else call.run_coc(x, chunks))[0]
-                if backward:
-                    torch.autograd.grad(output, [x], torch.ones_like(output))
-            finally:
-                layer.gradient_accumulation_fusion = fusion
+            output = (call.run_megatron(x) if chunks == 1 else call.run_coc(x, chunks))[0]
+            if backward:
+                torch.autograd.grad(output, [x], torch.ones_like(output))
 
-        chunks = self.installation.tuner(job.LINEARS).chunks(key, group, coc_input.device, call.rows, run)
+        chunks = self.installation.tuner(job.LINEARS).chunks(key, group, coc_input.device, call.rows, run,
+                                                             touches=(layer,))
         if chunks == 1:
             m, k, n = call.shape
             return MegatronPath(f"{AUTO_CHOSE_MEGATRON} (N=1) for [{m}, {k}, {n}]", expected=True)

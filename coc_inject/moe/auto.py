@@ -4,13 +4,13 @@ Megatron's dispatcher, decided at the shape's first call and the same on every r
 The tuner of every ``auto`` (coc_inject.tuning.online.Tuner.decide) runs the trials in the experts'
 place of that first call: Megatron's dispatch / experts / combine (the baseline) and the pieces at
 each chunk count, forward and backward on detached copies of the call's permuted rows, gradients
-taken with ``torch.autograd.grad`` so that no parameter gradient is touched; timings MAX-reduced
+taken with ``torch.autograd.grad`` inside ``coc_inject.trial.isolated`` so that no parameter gradient
+is touched; timings MAX-reduced
 over the EP group; pieces win only beyond the noise. Cached in ``COC_TUNE_CACHE``.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -59,24 +59,11 @@ def key_of(layer, hidden_states: torch.Tensor) -> MoEKey:
                   torch.is_grad_enabled())
 
 
-@contextlib.contextmanager
-def without_fused_accumulation(experts):
-    """gradient_accumulation_fusion off on the experts' linears: a trial's backward writes no main_grad."""
-    linears = [m for m in experts.modules() if hasattr(m, "gradient_accumulation_fusion")]
-    saved = [m.gradient_accumulation_fusion for m in linears]
-    for m in linears:
-        m.gradient_accumulation_fusion = False
-    try:
-        yield
-    finally:
-        for m, value in zip(linears, saved):
-            m.gradient_accumulation_fusion = value
-
-
-def choose(tuner, key: MoEKey, group, tokens, probs, run_megatron, run_pieces):
+def choose(tuner, key: MoEKey, group, tokens, probs, run_megatron, run_pieces, experts):
     """The choice for ``key``: MEGATRON or a chunk count (trials at the key's first call).
     ``run_megatron(tokens, probs)`` / ``run_pieces(tokens, probs, chunks)``: the layer's middle,
-    without accumulating parameter gradients."""
+    without accumulating parameter gradients; ``experts``: what the trials run (coc_inject.trial:
+    fused accumulation off, gradients and RNG left as found)."""
     backward = key.backward
 
     def trial(choice) -> None:
@@ -86,4 +73,5 @@ def choose(tuner, key: MoEKey, group, tokens, probs, run_megatron, run_pieces):
             if backward:
                 torch.autograd.grad(out, inputs, torch.ones_like(out))
 
-    return tuner.decide(key, group, tokens.device, [MEGATRON, *CHUNKS], MEGATRON, trial, group_name="EP")
+    return tuner.decide(key, group, tokens.device, [MEGATRON, *CHUNKS], MEGATRON, trial, group_name="EP",
+                        touches=(experts,))

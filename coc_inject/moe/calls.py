@@ -67,11 +67,10 @@ class MoECall:
         """Dispatch, experts and combine of the deferred rows: the combined rows in the dispatcher's
         permuted order (auto decides here at a shape's first call)."""
         if self.chunks == DECIDING:
-            with auto.without_fused_accumulation(self.experts):
-                self.chunks = auto.choose(
-                    self.installation.tuner(MOE), self.key, self.dispatcher.ep_group, tokens, probs,
-                    lambda t, p: self.megatron_middle(self, t, p),
-                    lambda t, p, chunks: self.pieces(t, p, chunks, accumulate=False))
+            self.chunks = auto.choose(
+                self.installation.tuner(MOE), self.key, self.dispatcher.ep_group, tokens, probs,
+                lambda t, p: self.megatron_middle(self, t, p),
+                lambda t, p, chunks: self.pieces(t, p, chunks, accumulate=False), self.experts)
         if self.chunks == auto.MEGATRON:
             return self.megatron_middle(self, tokens, probs)
         return self.pieces(tokens, probs, self.chunks)

@@ -7,8 +7,10 @@ which is faster depends on the shape and the network, so it is timed.
 
 The tuner of ``COC_PARALLEL_NUM=auto`` (coc_inject.tuning.online.Tuner.decide) runs the trials: the block
 without copies (the baseline: Megatron's forward) and with the candidate copies, forward and
-backward on a detached copy of this call's input, gradients taken with ``torch.autograd.grad`` so that no
-parameter gradient (and no DDP hook) is touched; timings MAX-reduced over the group; copies win
+backward on a detached copy of this call's input, gradients taken with ``torch.autograd.grad`` inside
+``coc_inject.trial.isolated(block)`` so that no parameter gradient, ``main_grad`` (fused accumulation
+is off for the trials) or DDP hook is touched and the RNG is left as found; timings MAX-reduced over
+the group; copies win
 only beyond the noise, so auto is never slower than off by more than the noise. Megatron's
 recompute cannot run under ``autograd.grad``: with recompute on, the trials time the forward only
 (the decision says so). Decisions are cached in ``COC_TUNE_CACHE`` with the hardware identity.
@@ -28,7 +30,7 @@ from coc_inject.routes import chunks_linears, copies_of, unchunked
 @dataclass(frozen=True)
 class CopiesKey:
     # Two warm-up rounds: a copy count's first runs are slower for a while (its threads' allocator
-    # arenas still growing); one such run among the three timed ones made the noise hide a 15% gain.
+    # arenas still growing); one such run among the timed ones can hide a real gain in the noise.
     WARM_UPS: ClassVar[int] = 2
 
     seq: int  # this rank's rows of the hidden states (after SP / CP)
@@ -61,7 +63,7 @@ class CopiesKey:
 
 
 # COC_MULTI_COPY=auto's copy counts (those that divide the micro-batch): finer turns hide more
-# where the network is slow (over the emulated link 4 copies ran the GPT step 1.27x off, 2 copies 1.19x).
+# where the network is slow (benchmarks/RESULTS.md, "COC_MULTI_COPY=auto").
 AUTO_COPIES = (2, 4)
 
 
@@ -120,6 +122,7 @@ def choose(tuner, block, original, arguments: dict, split, choices: list):
             if backward:
                 torch.autograd.grad(out, [probe] + params, torch.ones_like(out), allow_unused=True)
 
-    choice = tuner.decide(key, group_of(block), hidden.device, choices, choices[0], trial, group_name="TPxCP")
+    choice = tuner.decide(key, group_of(block), hidden.device, choices, choices[0], trial, group_name="TPxCP",
+                          touches=(block,))
     return split_for(choice, split)
 

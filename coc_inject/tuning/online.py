@@ -12,8 +12,9 @@ hardware identity (device or host name, world and TP size, communication backend
    chunk count the rows allow -- runs forward and backward on this call's real input (one
    warm-up round, then ``TIMED_ROUNDS`` timed rounds in rotating order; a barrier before each
    run, device synchronisation around it on CUDA/NPU, wall clock on CPU). The trials run on
-   detached inputs and return nothing to autograd: no parameter gradient is touched, the job's
-   own call runs afterwards with the decision. Each run's time is all-reduced with MAX over the
+   detached inputs and return nothing to autograd, inside ``coc_inject.trial.isolated``: parameters'
+   gradients (``main_grad`` with fused accumulation included) and the RNG are left as found; the
+   job's own call runs afterwards with the decision. Each run's time is all-reduced with MAX over the
    group, so every rank sees the same numbers and decides the same N. A CoC count wins only if
    its median beats N=1's by more than the noise (the larger of ``NOISE_FLOOR`` of N=1's median
    and the half-ranges of both candidates' timings); otherwise N=1: Megatron's own forward.
@@ -35,7 +36,7 @@ from typing import Callable, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 
-from coc_inject import copy_context, log
+from coc_inject import copy_context, log, trial
 from coc_inject.routes import LayerCase
 
 TIMED_ROUNDS = 3
@@ -44,7 +45,8 @@ NOISE_FLOOR = 0.03  # a CoC count must be at least 3% faster than Megatron's pat
 
 class Key(Protocol):
     """What the tuner decides once for: a hashable key that names itself and its choices. Each wing
-    has one (DecisionKey for the linears, context_parallel.auto.AttentionKey, multi_copy.auto.CopiesKey)."""
+    has one (DecisionKey for the linears, context_parallel.auto.AttentionKey, multi_copy.auto.CopiesKey,
+    moe.auto.MoEKey)."""
 
     WARM_UPS: ClassVar[int]  # untimed rounds of every candidate before the timed ones
 
@@ -161,19 +163,22 @@ class Tuner:
         self.cache = cache  # tune_cache.TuneCache or None
         self.decisions: dict[DecisionKey, Decision] = {}
 
-    def chunks(self, key: DecisionKey, group, device: torch.device, rows: int, run: Callable[[int], None]) -> int:
+    def chunks(self, key: DecisionKey, group, device: torch.device, rows: int, run: Callable[[int], None],
+               touches=()) -> int:
         candidates = [1] + [c for c in self.config.tune_candidates if c <= rows]
-        return self.decide(key, group, device, candidates, 1, run)
+        return self.decide(key, group, device, candidates, 1, run, touches=touches)
 
     def decide(self, key, group, device: torch.device, candidates: list, baseline, run: Callable,
-               group_name: str = "TP"):
-        """The choice for ``key`` among ``candidates`` (``run(candidate)`` runs one trial), made once."""
+               group_name: str = "TP", touches=()):
+        """The choice for ``key`` among ``candidates`` (``run(candidate)`` runs one trial), made once.
+        ``touches``: the modules the trials run (each trial leaves them as found: coc_inject.trial)."""
         decision = self.decisions.get(key)
         if decision is None:
-            decision = self.decisions[key] = self._decide(key, group, device, candidates, baseline, run, group_name)
+            decision = self.decisions[key] = self._decide(key, group, device, candidates, baseline, run, group_name,
+                                                          touches)
         return decision.choice
 
-    def _decide(self, key, group, device, candidates, baseline, run, group_name) -> Decision:
+    def _decide(self, key, group, device, candidates, baseline, run, group_name, touches) -> Decision:
         identity = hardware_identity(device, group, group_name)
         cached = self._agreed_cached(key, identity, group, device, candidates)
         if cached is not None:
@@ -182,7 +187,7 @@ class Tuner:
             decision = Decision(baseline, "deterministic default: COC_DETERMINISTIC=1 runs no trials and "
                                           "nothing is cached for it", {})
         else:
-            samples = self._trials(candidates, group, device, run, key.WARM_UPS)
+            samples = self._trials(candidates, group, device, run, key.WARM_UPS, touches)
             choice, noise = choose(samples, baseline)
             decision = Decision(choice, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
                                 noise * 1e3)
@@ -202,8 +207,9 @@ class Tuner:
         dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group, device=device)
         return agreed[0]
 
-    def _trials(self, candidates, group, device, run, warm_ups: int) -> dict:
-        with copy_context.alone():  # inside multi-copy's copies: no other copy runs between the timings
+    def _trials(self, candidates, group, device, run, warm_ups: int, touches) -> dict:
+        # Inside multi-copy's copies: no other copy runs between the timings.
+        with copy_context.alone(), trial.isolated(touches):
             return self._timed_trials(candidates, group, device, run, warm_ups)
 
     def _timed_trials(self, candidates, group, device, run, warm_ups: int) -> dict:

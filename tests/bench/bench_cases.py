@@ -23,12 +23,12 @@ def auto_variant(*, case, chunks, reps, tune_cache, slow=(), slow_rank=1, second
         made.append((key.case, decision.chunks, decision.source))
         return decision
 
-    def skewed_chunks(self, key, group, device, rows, run):
+    def skewed_chunks(self, key, group, device, rows, run, **kwargs):
         def delayed(n):
             run(n)
             if n in slow and dist.get_rank() == slow_rank:
                 time.sleep(seconds)
-        return chunks_for(self, key, group, device, rows, delayed)
+        return chunks_for(self, key, group, device, rows, delayed, **kwargs)
 
     tuning.Tuner._decide, tuning.Tuner.chunks = counting_decide, skewed_chunks
     try:

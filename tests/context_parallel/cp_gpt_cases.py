@@ -125,12 +125,12 @@ def _skew_trials(name, seconds):
     tuner = job.current().tuners[job.ATTENTION] = Tuner(config, cache_for(config))
     decide = tuner.decide
 
-    def skewed_decide(key, group, device, candidates, baseline, run, group_name="TP"):
+    def skewed_decide(key, group, device, candidates, baseline, run, group_name="TP", **kwargs):
         def trial(candidate):
             run(candidate)
             if candidate == name:
                 time.sleep(seconds)
-        return decide(key, group, device, candidates, baseline, trial, group_name)
+        return decide(key, group, device, candidates, baseline, trial, group_name, **kwargs)
 
     tuner.decide = skewed_decide
 

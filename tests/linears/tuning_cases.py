@@ -16,12 +16,12 @@ def _skewing(tuner, slow_chunks, seconds):
     """Make this rank's trial runs of ``slow_chunks`` take ``seconds`` longer (a real delay)."""
     decide = tuner.chunks
 
-    def chunks(key, group, device, rows, run):
+    def chunks(key, group, device, rows, run, **kwargs):
         def skewed(n):
             run(n)
             if n in slow_chunks:
                 time.sleep(seconds)
-        return decide(key, group, device, rows, skewed)
+        return decide(key, group, device, rows, skewed, **kwargs)
 
     tuner.chunks = chunks
 

@@ -233,12 +233,12 @@ def slow_pieces_trials(seconds: float) -> None:
 
     choose = auto.choose
 
-    def slowed(tuner, key, group, tokens, probs, run_megatron, run_pieces):
+    def slowed(tuner, key, group, tokens, probs, run_megatron, run_pieces, experts):
         def pieces(t, p, chunks):
             time.sleep(seconds)
             return run_pieces(t, p, chunks)
 
-        return choose(tuner, key, group, tokens, probs, run_megatron, pieces)
+        return choose(tuner, key, group, tokens, probs, run_megatron, pieces, experts)
 
     auto.choose = slowed
 

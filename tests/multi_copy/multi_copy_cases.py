@@ -191,7 +191,7 @@ def skewed_tuner(delay, slow_baseline=False):
     tuner = Tuner(CocConfig(), None)
     decide = tuner.decide
 
-    def skewed(key, group, device, candidates, baseline, run, group_name="TP"):
+    def skewed(key, group, device, candidates, baseline, run, group_name="TP", **kwargs):
         def trial(choice):
             tuner.runs[choice] = tuner.runs.get(choice, 0) + 1
             run(choice)
@@ -199,7 +199,7 @@ def skewed_tuner(delay, slow_baseline=False):
                 time.sleep(delay)
         tuner.deciding = True
         try:
-            return decide(key, group, device, candidates, baseline, trial, group_name)
+            return decide(key, group, device, candidates, baseline, trial, group_name, **kwargs)
         finally:
             tuner.deciding = False
 

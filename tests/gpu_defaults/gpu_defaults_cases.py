@@ -1,0 +1,227 @@
+"""A real megatron-core GPT trained the way a GPU job trains it, on every rank of a gloo pool.
+
+Megatron's GPU defaults, not the ones the CPU makes easiest:
+
+* **fused gradient accumulation**: ``gradient_accumulation_fusion=True``, Megatron's linears writing
+  their weight gradients into ``main_grad`` through apex's kernel (tests/fakes/fused_wgrad.py's CPU
+  stand-in, which checks the kernel's call contract and computes the true sum);
+* **Megatron's DDP** with ``overlap_grad_reduce`` and ``use_distributed_optimizer`` (the gradient
+  buckets reduce-scattered over the data-parallel group, in the backward), gradients in fp32;
+* **fp32 or bf16** parameters and activations.
+
+The optimizer step is the distributed optimizer's for SGD: each rank's shard of every bucket is
+the reduced gradient; the shards are all-gathered (the parameters' all-gather of a sharded update)
+and every parameter takes ``p -= lr * main_grad``. The replicated sequence-parallel parameters'
+gradients are summed over TP first, as Megatron's ``finalize_model_grads`` does. What comes back:
+the losses, the global gradient norm and every parameter's reduced gradient of each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from tests.context_parallel import cp_gpt_cases
+from tests.fakes import fused_wgrad
+from tests.moe import moe_cases
+
+LR = 0.5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def _cpu_streams():
+    """Test-only: Megatron's DDP (0.17+) orders its communication against torch.cuda's streams."""
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __getattr__(self, name):  # wait_stream, wait_event, record_event: nothing to order on CPU
+            return lambda *args, **kwargs: None
+
+    saved = {name: getattr(torch.cuda, name) for name in ("Stream", "stream", "current_stream")}
+    torch.cuda.Stream, torch.cuda.stream = Stream, lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
+
+
+class TrialWatch:
+    """Observes every ``auto``'s trials (tuning.online.Tuner._trials, wrapped, run unchanged): what
+    they changed of the job's training state -- each parameter's ``main_grad`` and
+    ``grad_added_to_main_grad``, DDP's per-bucket record of the gradients it has heard of, the RNG --
+    and how many fused accumulations ran inside them. ``changes``: one line per change found."""
+
+    def __init__(self, model, ddp):
+        self.model, self.ddp = model, ddp
+        self.changes: list = []
+        self.trials = 0
+        self.fused_inside = 0
+        self.depth = 0
+
+    def _state(self) -> dict:
+        state = {f"{name}.main_grad": p.main_grad.clone() for name, p in self.model.named_parameters()}
+        state.update({f"{name}.grad_added_to_main_grad": getattr(p, "grad_added_to_main_grad", None)
+                      for name, p in self.model.named_parameters()})
+        state.update({f"bucket group {i} heard of": dict(group.per_param_grad_ready_counts)
+                      for i, group in enumerate(self.ddp.bucket_groups + self.ddp.expert_parallel_bucket_groups)})
+        state["rng"] = torch.get_rng_state()
+        return state
+
+    def _compare(self, before: dict, after: dict) -> None:
+        for name, value in before.items():
+            other = after[name]
+            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+            if not same:
+                self.changes.append(name)
+
+    def __enter__(self):
+        from coc_inject.tuning import online
+
+        self._original = original = online.Tuner._trials
+        watch = self
+
+        def watched(tuner, *args, **kwargs):
+            if watch.depth:  # trials inside trials (the copies' linears): the outermost ones are watched
+                return original(tuner, *args, **kwargs)
+            before, calls = watch._state(), len(fused_wgrad.calls)
+            watch.depth += 1
+            try:
+                return original(tuner, *args, **kwargs)
+            finally:
+                watch.depth -= 1
+                watch.trials += 1
+                watch.fused_inside += len(fused_wgrad.calls) - calls
+                watch._compare(before, watch._state())
+
+        online.Tuner._trials = watched
+        return self
+
+    def __exit__(self, *exc):
+        from coc_inject.tuning import online
+
+        online.Tuner._trials = self._original
+
+
+def _install(coc: dict | None, tp: int, cp: int, ep: int) -> None:
+    """Megatron's parallel state for TP x CP x EP (the rest data-parallel) and every wing ``coc`` arms."""
+    cp_gpt_cases.setup(tp, cp)  # its CPU shims for rotary embeddings and the causal mask
+    cp_gpt_cases._parallel_state_key = None
+    moe_cases._state_key = None
+    moe_cases.setup(ep, tp=tp, coc=coc, cp=cp)
+    moe_cases._state_key = None  # the next case initialises again
+
+
+def _model(kind: str, tp: int, cp: int, ep: int, dtype, seq: int, vocab: int):
+    """The GPT; in bf16 inside Megatron's Float16Module, as Megatron-LM wraps it (bf16 parameters and
+    activations, the logits back in fp32)."""
+    from megatron.core.transformer.module import Float16Module
+
+    fused = dict(gradient_accumulation_fusion=True, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    if kind == "moe":
+        model = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, sp=tp > 1, context_parallel_size=cp, **fused)
+    else:
+        model = cp_gpt_cases.build_gpt(tp, cp, seq=seq, vocab=vocab, sp=tp > 1, **fused)
+    return Float16Module(model.config, model) if dtype == torch.bfloat16 else model
+
+
+def _reduced_gradients(ddp, model) -> dict:
+    """Every parameter's reduced gradient: the distributed optimizer's shards all-gathered."""
+    from megatron.core import parallel_state
+
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        group = buffer.data_parallel_group
+        size, rank = group.size(), group.rank()
+        for bucket in buffer.buckets:
+            shards = bucket.grad_data.view(size, -1)
+            mine = shards[rank].clone()
+            dist.all_gather_into_tensor(bucket.grad_data, mine, group=group)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for param in model.parameters():
+        if getattr(param, "sequence_parallel", False):
+            dist.all_reduce(param.main_grad, group=tp_group)
+    return {name: p.main_grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _global_norm(grads: dict, model) -> float:
+    """The L2 norm of the whole model's gradient: each TP shard once, replicated parameters once."""
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    replicated = torch.zeros(1, dtype=torch.float64)
+    sharded = torch.zeros(1, dtype=torch.float64)
+    for name, param in model.named_parameters():
+        square = grads[name].double().square().sum()
+        if getattr(param, "tensor_model_parallel", False):
+            sharded += square
+        else:
+            replicated += square
+    dist.all_reduce(sharded, group=tp_group)
+    return float((sharded + replicated).sqrt())
+
+
+def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp: int = 2, cp: int = 1, ep: int = 1,
+          steps: int = 3, b: int = 4, seq: int = 32, vocab: int = 128) -> dict:
+    """``steps`` steps of the GPT (``kind``: "dense" or "moe") under Megatron's GPU defaults (module
+    docstring) with coc-inject's wings as ``coc`` arms them (None: off). Each rank's data-parallel
+    replica takes its own batch."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from coc_inject import job
+
+    with _cpu_streams(), fused_wgrad.installed(), contextlib.ExitStack() as undo:
+        undo.callback(job.uninstall)
+        _install(coc, tp, cp, ep)
+        model = _model(kind, tp, cp, ep, DTYPES[dtype], seq, vocab)
+        ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+            overlap_grad_reduce=True, use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+        watch = undo.enter_context(TrialWatch(model, ddp))
+        causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+        data_rank = parallel_state.get_data_parallel_rank()
+        losses, norms, grads = [], [], []
+        for step in range(steps):
+            tokens, labels = cp_gpt_cases.batch(1000 * data_rank + step, b, seq, vocab)
+            positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
+            mask = causal
+            if cp > 1:
+                rank = parallel_state.get_context_parallel_rank()
+                tokens, labels, positions = (cp_gpt_cases.cp_slice(t, 1, cp, rank) for t in (tokens, labels, positions))
+                mask = cp_gpt_cases.cp_slice(causal, 2, cp, rank)
+            ddp.zero_grad_buffer()
+            loss = ddp(tokens, positions, mask, labels=labels).float().sum() / (b * seq)
+            loss.backward()
+            ddp.finish_grad_sync()
+            reduced = _reduced_gradients(ddp, model)
+            norms.append(_global_norm(reduced, model))
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param -= (LR * reduced[name]).to(param.dtype)
+            total = loss.detach().double()
+            dist.all_reduce(total, group=parallel_state.get_context_parallel_group())
+            losses.append(float(total))
+            grads.append(reduced)
+        fused_calls = len(fused_wgrad.calls)
+        routes = _routes(model)
+        decisions = [f"{wing}: {decision.describe(key)}" for wing, tuner in job.current().tuners.items()
+                     for key, decision in tuner.decisions.items()] if job.current() is not None else []
+    return {"losses": losses, "norms": norms, "grads": grads, "fused_calls": fused_calls, "routes": routes,
+            "decisions": decisions, "trials": watch.trials, "trial_changes": watch.changes,
+            "fused_in_trials": watch.fused_inside}
+
+
+def _routes(model) -> dict:
+    """What each wing's layers ran (their last call's route), by wing."""
+    found: dict = {}
+    for module in model.modules():
+        for attribute in ("_coc_multi_copy", "_coc_moe", "_coc_cp"):
+            route = getattr(module, attribute, None)
+            if route is not None:
+                found.setdefault(attribute, set()).add(getattr(route, "reason", None) or repr(route)[:80])
+    return {wing: sorted(map(str, reasons)) for wing, reasons in found.items()}
