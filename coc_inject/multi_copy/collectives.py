@@ -16,14 +16,27 @@ Either way every collective is issued at a program point of one copy: the same o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 from coc_inject import copy_context, dist_interception
 from coc_inject.multi_copy.cuts import KINDS
 
-# Tests only: a deferred collective's output reads NaN until its wait (a read before it, which on a
-# device would race the network, fails the exactness tests instead of passing by luck on CPU).
-POISON = False
+_poison = False  # inside poisoned() only
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Tests only, inside: a deferred collective's output reads NaN until its wait (a read before it,
+    which on a device would race the network, fails the exactness tests instead of passing by luck on
+    CPU). The previous setting comes back on the way out, also after an error."""
+    global _poison
+    before, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = before
+
 
 class DeferredWork:
     """A collective left in flight past its node: ``wait()`` there does nothing; the copy's run
@@ -43,8 +56,8 @@ class DeferredWork:
 
 
 def _deferred(original, args, kwargs, output_name):
-    """Start ``original`` left in flight; with POISON into private outputs, the caller's NaN meanwhile."""
-    if not POISON:
+    """Start ``original`` left in flight; :func:`poisoned`: into private outputs, the caller's NaN meanwhile."""
+    if not _poison:
         work = original(*args, **kwargs)
         return None if work is None else DeferredWork(work)
     in_args = bool(args)

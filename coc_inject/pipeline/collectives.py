@@ -2,10 +2,13 @@
 
 Every function starts the collective and returns a handle with ``wait()``. They look the
 torch.distributed functions up at call time (not at import) so a caller's instrumentation of
-``torch.distributed`` -- a profiler, a call counter in a test -- sees our calls too.
+``torch.distributed`` -- a profiler, a call counter in a test -- sees our calls too; the engines
+look ``all_reduce_async`` up here at call time, so :func:`all_reduce_replaced` reaches them.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -14,6 +17,19 @@ import torch.distributed as dist
 def all_reduce_async(tensor: torch.Tensor, group):
     """Sum ``tensor`` in place across ``group``."""
     return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+@contextlib.contextmanager
+def all_reduce_replaced(replacement):
+    """Inside, :func:`all_reduce_async` is ``replacement`` for every caller (the bench's stub that
+    launches nothing, to time the engine's own host work); the previous one comes back on the way
+    out, also after an error."""
+    global all_reduce_async
+    before, all_reduce_async = all_reduce_async, replacement
+    try:
+        yield
+    finally:
+        all_reduce_async = before
 
 
 def all_gather_async(rank_slots: list[torch.Tensor], local: torch.Tensor, group):

@@ -10,6 +10,7 @@ Both return only once every collective has completed.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from enum import Enum
@@ -17,8 +18,19 @@ from typing import Callable, Sequence
 
 from coc_inject.pipeline.collectives import wait_all
 
-# Set by the benchmark's timeline recorder only (see coc_inject.bench); None in normal runs.
-tracer = None
+_tracer = None  # inside traced() only (the bench's timeline); None in normal runs
+
+
+@contextlib.contextmanager
+def traced(tracer):
+    """Inside, both schedules record their chunks' times in ``tracer`` (a :class:`TimelineTracer`); the
+    previous tracer comes back on the way out, also after an error."""
+    global _tracer
+    before, _tracer = _tracer, tracer
+    try:
+        yield tracer
+    finally:
+        _tracer = before
 
 
 class Schedule(Enum):
@@ -36,8 +48,8 @@ def run_compute_first(
 
     ``overlap`` (optional) is extra local work run while the last collectives are in flight.
     """
-    if tracer is not None:
-        compute, communicate = tracer.wrap(compute, communicate)
+    if _tracer is not None:
+        compute, communicate = _tracer.wrap(compute, communicate)
     handles = []
     for start, stop in bounds:
         handles.append(communicate(start, stop, compute(start, stop)))
@@ -52,8 +64,8 @@ def run_comm_first(
     compute: Callable[[int, int], None],
 ) -> None:
     """Start ``communicate`` for chunk i+1, wait for chunk i's, then ``compute`` chunk i."""
-    if tracer is not None:
-        compute, communicate = tracer.wrap(compute, communicate)
+    if _tracer is not None:
+        compute, communicate = _tracer.wrap(compute, communicate)
     pending = communicate(*bounds[0])
     for index, (start, stop) in enumerate(bounds):
         ready = pending

@@ -106,12 +106,8 @@ def test_timeline_of_a_work_that_never_reports_completion_ends_at_its_wait():
         works.append(_NeverCompletes())
         return works[-1]
 
-    tracer = schedules.TimelineTracer()
-    schedules.tracer = tracer
-    try:
+    with schedules.traced(schedules.TimelineTracer()) as tracer:
         schedules.run_compute_first([(0, 2), (2, 4)], lambda start, stop: None, communicate)
-    finally:
-        schedules.tracer = None
     events = tracer.finish()  # used to poll forever
     assert all(work.waited for work in works)
     comm = [event for event in events if event[0] == "comm"]

@@ -130,17 +130,15 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     if kwargs.get("recompute_granularity"):
         _cpu_rng_for_recompute()
     recorder = CollectiveRecorder() if record else None
-    copies_collectives.POISON = poison
-    with recorded_routes() as routes, autograd_on_one_thread() as autograd_calls, _cut_waits(not skip_cut_waits):
-        try:
-            if recorder is not None:
-                recorder.__enter__()
-            result = cp_gpt_cases.train(tp, cp, config, after_setup=after_setup, **kwargs)
-        finally:
-            copies_collectives.POISON = False
-            job.uninstall()
-            if recorder is not None:
-                recorder.__exit__()
+    with contextlib.ExitStack() as inside:  # left in the reverse order
+        routes, autograd_calls = inside.enter_context(recorded_routes()), inside.enter_context(autograd_on_one_thread())
+        inside.enter_context(_cut_waits(not skip_cut_waits))
+        if poison:
+            inside.enter_context(copies_collectives.poisoned())
+        if recorder is not None:
+            inside.enter_context(recorder)
+        inside.callback(job.uninstall)  # coc-inject's wrappers come off before the recorder's
+        result = cp_gpt_cases.train(tp, cp, config, after_setup=after_setup, **kwargs)
     result["autograd_calls"] = len(autograd_calls)
     result["routes"] = sorted(set(routes), key=repr)
     result["backward_in_turn"] = sorted(why for why in routes.in_turn if why is not None)

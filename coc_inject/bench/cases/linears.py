@@ -175,15 +175,13 @@ def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmu
 def timeline(layer, x, chunks: int) -> list:
     """Per-chunk compute and communication intervals of one CoC forward (host clock, ms)."""
     _install(f"N={chunks}", layer)
-    tracer = schedules.TimelineTracer()
-    schedules.tracer = tracer
     try:
-        dist.barrier()
-        begin = time.perf_counter()
-        layer(x.clone())
-        dist.barrier()
+        with schedules.traced(schedules.TimelineTracer()) as tracer:
+            dist.barrier()
+            begin = time.perf_counter()
+            layer(x.clone())
+            dist.barrier()
     finally:
-        schedules.tracer = None
         patching.uninstall()
     return [(kind, start_row, 1e3 * (t0 - begin), 1e3 * (t1 - begin))
             for kind, start_row, t0, t1 in tracer.finish() if kind != "launch"]
@@ -208,12 +206,8 @@ def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int =
         _install(f"N={chunks}")
         try:
             layer(x)  # the one-time config agreement happens here, with the real collective
-            real, collectives.all_reduce_async = collectives.all_reduce_async, lambda tensor, group: None
-            try:
-                with torch.no_grad():
-                    return _median_seconds(lambda: layer(x), calls)
-            finally:
-                collectives.all_reduce_async = real
+            with collectives.all_reduce_replaced(lambda tensor, group: None), torch.no_grad():
+                return _median_seconds(lambda: layer(x), calls)
         finally:
             patching.uninstall()
 
