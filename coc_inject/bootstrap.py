@@ -8,7 +8,8 @@ tiny finder at the front of ``sys.meta_path`` that reacts only to the top-level 
 wrapt 2.x, so only processes that really import Megatron pay for it) and registers the
 post-import hook ``coc_inject.patching:on_layers_imported`` on
 ``megatron.core.tensor_parallel.layers``; the finder then returns ``None`` so the normal
-import proceeds untouched.
+import proceeds untouched. Whether requested or not, a set ``COC_*`` name it does not know
+(``COC_PARALLEL_NUMS``) gets one warning on rank 0 naming the closest known one.
 """
 
 import os
@@ -58,7 +59,22 @@ ARGV_FLAGS = ("--use-ascend-coc", "--coc-parallel-num", "--coc-fused-kernel",
               # MoE
               "--moe-alltoall-overlap-comm")
 
+# Every COC_* / USE_COC_* name coc-inject reads (table.KNOWN_VARIABLES, same test): any other set
+# name is most likely a typo that would otherwise leave the job silently unpatched.
+KNOWN = (
+    "COC_DISABLE", "COC_PARALLEL_NUM", "USE_COC_FUSED_KERNEL", "COC_RECOMPUTE_ALL_GATHER",
+    "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
+    "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT", "COC_TUNE_CANDIDATES",
+    "COC_TUNE_CACHE", "COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE", "COC_CP_MASK_TYPE", "COC_ATTN_KERNEL",
+    "COC_FLASH_ATTN", "COC_MULTI_COPY", "COC_MOE_OVERLAP", "COC_CACHE_DIR", "COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE",
+)
+PREFIXES = ("COC_", "USE_COC_")
+# Set once the unknown names were said, so that the processes a launcher starts from this one (torchrun's
+# rank 0, dataloader workers) do not say them again. Outside PREFIXES on purpose.
+UNKNOWN_SAID = "_COC_INJECT_UNKNOWN_SAID"
+
 _finder = None  # the installed _MegatronTrigger, if any
+_unknown_checked = False
 _hook_registered = False
 _error = None  # str: why the hook could not be registered (CoC then is NOT active)
 
@@ -93,6 +109,32 @@ def requested(environ=None, argv=None) -> bool:
         if isinstance(token, str) and token.startswith("--") and token.partition("=")[0] in ARGV_FLAGS:
             return True
     return False
+
+
+def unknown_variables(environ) -> list:
+    """The set COC_* / USE_COC_* names that coc-inject does not read, sorted."""
+    return sorted(name for name in environ if name.startswith(PREFIXES) and name not in KNOWN)
+
+
+def warn_unknown_variables(environ=None) -> None:
+    """One stderr line per unknown COC_* name, naming the closest known one; on rank 0 only (RANK
+    unset or 0), once per process tree. Costs one pass over the environment when all is well."""
+    global _unknown_checked
+    if _unknown_checked:
+        return
+    _unknown_checked = True
+    environ = os.environ if environ is None else environ
+    unknown = unknown_variables(environ)
+    if not unknown or (environ.get("RANK") or "0").strip() != "0" or environ.get(UNKNOWN_SAID):
+        return
+    import difflib  # only when there is something to say: it costs milliseconds
+
+    for name in unknown:
+        closest = difflib.get_close_matches(name, KNOWN, n=1)
+        hint = f"did you mean {closest[0]}?" if closest else "no coc-inject variable is close to it"
+        sys.stderr.write(f"[coc-inject] warning: unknown variable {name} is ignored: {hint} "
+                         "(coc-inject reference lists every variable)\n")
+    environ[UNKNOWN_SAID] = "1"
 
 
 class _MegatronTrigger:
@@ -150,6 +192,10 @@ def _register():
 def start():
     """Arm the injector if CoC is requested. Idempotent; cheap when it is not requested."""
     global _finder
+    try:
+        warn_unknown_variables()
+    except Exception:  # a warning must never keep CoC from arming (e.g. no stderr)
+        pass
     if _finder is not None or _hook_registered:
         return
     if not requested(os.environ, getattr(sys, "argv", None) or ()):

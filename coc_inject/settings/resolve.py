@@ -166,5 +166,5 @@ def unknown_variables(environ=None) -> list:
     Not an error (someone else may own the name); meant for a warning or the CLI status.
     """
     environ = os.environ if environ is None else environ
-    known = set(table.VARIABLES)
+    known = set(table.KNOWN_VARIABLES)
     return sorted(n for n in environ if n.startswith(("COC_", "USE_COC_")) and n not in known)

@@ -4,7 +4,8 @@ Everything else about a setting is derived from its row: the CocConfig field and
 where its value comes from (environment > COC_CONFIG file > MindSpeed flag > default), the
 reference tables (``coc-inject reference``, the README), ``describe``, the cross-rank fingerprint,
 the unknown-variable warning and the MindSpeed flag scanner. The bootstrap keeps its own stdlib
-copy of the names that arm it (importing this costs start-up time); a test holds it to the table.
+copy of the names that arm it and of every known name (importing this costs start-up time); a test
+holds it to the table.
 """
 
 from __future__ import annotations
@@ -212,6 +213,10 @@ BY_FIELD = {row.field: row for row in FIELDS}
 FILE_KEYS = {row.file_key: row for row in SETTINGS if row.file_key is not None}
 FLAGS = tuple(row for row in SETTINGS if row.flag is not None)
 VARIABLES = tuple(row.variable for row in SETTINGS if row.variable is not None)
+# Read by ``coc-inject bench`` / ``selftest`` under torchrun (which device), not settings of a job.
+TOOL_VARIABLES = ("COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE")
+# Every COC_* / USE_COC_* name coc-inject reads: any other one is warned about (a typo, most likely).
+KNOWN_VARIABLES = VARIABLES + TOOL_VARIABLES
 CONFIG_FILE.allowed = "a path to a readable JSON file holding an object with keys " + ", ".join(FILE_KEYS)
 
 

@@ -225,6 +225,38 @@ def test_invalid_value_does_not_break_unrelated_program(tmp_path):
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "1\n", "")
 
 
+# --------------------------------------------------------------------------- unknown names
+
+UNKNOWN_LINE = "[coc-inject] warning: unknown variable "
+# A child of the started process: the warning is said once per process tree, not again here.
+CHILD = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'pass'])"
+
+
+@pytest.mark.parametrize("env,code,said", [
+    ({"COC_PARALLE_NUM": "4"}, "pass", ["COC_PARALLE_NUM is ignored: did you mean COC_PARALLEL_NUM?"]),
+    ({"COC_PARALLE_NUM": "4", "RANK": "0"}, CHILD, ["COC_PARALLE_NUM is ignored: did you mean COC_PARALLEL_NUM?"]),
+    ({"USE_COC_FUSED_KERNL": "1", "COC_PARALLEL_NUM": "4"}, "pass",
+     ["USE_COC_FUSED_KERNL is ignored: did you mean USE_COC_FUSED_KERNEL?"]),
+    ({"COC_ZZZ": "1"}, "pass", ["COC_ZZZ is ignored: no coc-inject variable is close to it"]),
+    ({"COC_PARALLE_NUM": "4", "RANK": "1"}, "pass", []),
+    ({"COC_PARALLEL_NUM": "4", "COC_CP_ALGO": "ring", "COC_SELFTEST_DEVICE": "npu", "USE_COCONUT": "1"}, "pass", []),
+], ids=["typo", "typo-rank0-child", "typo-armed", "far-off", "rank1", "known"])
+def test_an_unknown_variable_is_said_once_on_rank_zero(tmp_path, env, code, said):
+    proc = run_py(code, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(UNKNOWN_LINE)]
+    assert [line[len(UNKNOWN_LINE):].split(" (")[0] for line in lines] == said, proc.stderr
+    assert all(line.endswith("(coc-inject reference lists every variable)") for line in lines)
+
+
+def test_known_names_follow_the_settings_table():
+    # The bootstrap's stdlib copy of every name coc-inject reads (importing the table costs start-up time).
+    from coc_inject.settings import table
+
+    assert bootstrap.KNOWN == table.KNOWN_VARIABLES, f"paste into bootstrap.KNOWN: {table.KNOWN_VARIABLES!r}"
+    assert set(bootstrap.PREFIXES) == {"COC_", "USE_COC_"}
+
+
 @pytest.mark.parametrize("flag", ["-I", "-S", "-E"])
 def test_isolated_modes_run_nothing_of_ours(tmp_path, flag):
     info, stderr = probe(tmp_path, flags=(flag,), env={"COC_PARALLEL_NUM": "4"})
