@@ -4,7 +4,7 @@
 
 * ``TransformerBlock.forward`` runs a call as copies (block.py) or, with the reason, Megatron's.
 * Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
-* Megatron's global memory buffer: a name per copy.
+* Megatron's global memory buffer: a name per copy (forward and backward).
 
 Megatron's DDP needs nothing: the copies' backward runs each parameter's AccumulateGrad once per
 micro-batch, with every copy's gradient summed (segments.py).
@@ -20,9 +20,9 @@ import importlib
 import logging
 import weakref
 
-from coc_inject import copy_context, job, log
+from coc_inject import job, log
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import auto, block as copies_block, cuts
+from coc_inject.multi_copy import auto, block as copies_block, cuts, scheduler
 from coc_inject.routes import CopiesRoute
 
 AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
@@ -60,8 +60,10 @@ def _patch_gather_mapping(patches) -> None:
 
 def _patch_memory_buffer(patches) -> None:
     """Megatron's global memory buffer hands every caller of a name the same memory (the
-    sequence-parallel all-gather's input, for one): a copy gets its own, or the other copy would
-    overwrite it while a collective reads it."""
+    sequence-parallel all-gather's output, for one): a copy gets its own, or the other copy would
+    overwrite it while a collective writes it or a matmul reads it. In the backward too (the copy of
+    the running node), so that no copy's buffer is shared with a collective another copy left in
+    flight."""
     from megatron.core import utils
 
     cls = utils.GlobalMemoryBuffer
@@ -69,7 +71,7 @@ def _patch_memory_buffer(patches) -> None:
 
     @functools.wraps(original)
     def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
-        copy = copy_context.current_copy()
+        copy = scheduler.current_copy()
         return original(self, tensor_shape, dtype, name if copy is None else f"{name}@copy{copy}", *args, **kwargs)
 
     patches.patch(cls, "get_tensor", get_tensor)

@@ -54,6 +54,17 @@ class Copies:
         """Wait for ``copy``'s collectives left in flight (a cut's backward reaching them)."""
         return None
 
+    def running_copy(self) -> int | None:
+        """The copy the calling code runs as: here its thread's (the backward's run overrides it)."""
+        return copy_context.current_copy()
+
+
+def current_copy() -> int | None:
+    """The copy the calling code runs as, None outside copies: the copy thread's in the forward, the
+    running autograd node's in the copies' backward (segments.Segmented.running_copy)."""
+    run = copy_context.current()
+    return None if run is None else run.running_copy()
+
 
 class HandOverWork:
     """A collective's handle whose wait lets the other copies run first."""

@@ -18,12 +18,15 @@ only after that wait (by the cut's node, its only consumer); a residual branch's
 The parameters' gradients accumulate as they do without copies: one AccumulateGrad per parameter,
 run once with the copies' gradients summed, with its hooks (Megatron's DDP hears of it once). A
 copy with no cut runs its whole backward in its band: the copies in turn, in the same order still.
+
+The code inside a node learns which copy it runs as (:meth:`Segmented.running_copy`, e.g. for the
+copy's own global memory buffer) from the node autograd runs now: renumbering records each new
+sequence number's copy, so no hook is added to the copies' nodes, in tests or in production.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 
 import torch
 
@@ -31,20 +34,6 @@ from coc_inject import copy_context
 from coc_inject.multi_copy.scheduler import Copies
 
 _TOP = 1 << 62  # new sequence numbers count down from here (the engine compares them only within a call)
-# Recorders of collectives (tests, the self-test) set it: every node then tells the code inside which
-# copy it runs (copy_context.current_copy()), a hook per node (~1.5 us each); nothing else needs it here.
-NAME_COPIES = False
-
-
-@contextlib.contextmanager
-def naming_copies():
-    """Inside, the backward names each node's copy (:data:`NAME_COPIES`): for recorders of collectives."""
-    global NAME_COPIES
-    named, NAME_COPIES = NAME_COPIES, True
-    try:
-        yield
-    finally:
-        NAME_COPIES = named
 
 
 class Segmented(Copies):
@@ -54,6 +43,13 @@ class Segmented(Copies):
         super().__init__(n, chunk_linears)
         self.deferring = None  # (kind, copy) inside a node right after a cut, else None
         self.pending = [[] for _ in range(n)]  # each copy's collectives in flight
+        self.copy_of_node: dict = {}  # a renumbered node's sequence number -> its copy (renumber())
+
+    def running_copy(self) -> int | None:
+        """The copy of the node autograd runs now; None in a node of no copy (a recompute's, built
+        inside the backward, or a parameter's AccumulateGrad)."""
+        node = torch._C._current_autograd_node()
+        return None if node is None else self.copy_of_node.get(node._sequence_nr())
 
     def defers(self, kind) -> bool:
         return self.deferring is not None and kind == self.deferring[0]
@@ -66,13 +62,6 @@ class Segmented(Copies):
         pending, self.pending[copy] = self.pending[copy], []
         for work in pending:
             work.complete()
-
-    def marking_copy(self, nodes: list, copy: int) -> list:
-        """Hooks telling the code inside ``nodes`` that it runs as ``copy`` (:data:`NAME_COPIES`)."""
-        def enter(grad_outputs):
-            copy_context.enter(self, copy)
-
-        return [node.register_prehook(enter) for node in nodes]
 
     def ending(self, node, kind: str, copy: int) -> list:
         """Hooks making ``node`` leave its collectives of ``kind`` in flight (their handles)."""
@@ -117,12 +106,14 @@ def bands(output: torch.Tensor, cuts: list) -> tuple:
     return segments, cut_nodes, ends
 
 
-def renumber(per_copy: list) -> None:
-    """Sequence numbers in band order (module docstring); ``per_copy``: :func:`bands` of each copy."""
+def renumber(per_copy: list) -> dict:
+    """Sequence numbers in band order (module docstring); ``per_copy``: :func:`bands` of each copy.
+    Returns each new sequence number's copy."""
     seq = _TOP
+    copy_of_node = {}
     count = max(len(segments) for segments, _, _ in per_copy)
     for k in reversed(range(count)):
-        for segments, cut_nodes, _ in per_copy:
+        for copy, (segments, cut_nodes, _) in enumerate(per_copy):
             if k >= len(segments):
                 continue
             opening_next = cut_nodes[k + 1] if k + 1 < len(cut_nodes) else None
@@ -130,7 +121,9 @@ def renumber(per_copy: list) -> None:
                 segments[k], key=lambda node: node._sequence_nr(), reverse=True)
             for node in band:
                 node._set_sequence_nr(seq)
+                copy_of_node[seq] = copy
                 seq -= 1
+    return copy_of_node
 
 
 def backward(outputs: list, grad_outputs: list, pieces: list, cuts: list, params=(), chunk_linears=True):
@@ -139,11 +132,9 @@ def backward(outputs: list, grad_outputs: list, pieces: list, cuts: list, params
     n = len(outputs)
     run = Segmented(n, chunk_linears)
     per_copy = [bands(output, copy_cuts) for output, copy_cuts in zip(outputs, cuts)]
-    renumber(per_copy)
+    run.copy_of_node = renumber(per_copy)
     handles = []
-    for copy, (segments, cut_nodes, ends) in enumerate(per_copy):
-        if NAME_COPIES:
-            handles += run.marking_copy([node for segment in segments for node in segment], copy)
+    for copy, (_, _, ends) in enumerate(per_copy):
         for node, kind in ends:
             handles += run.ending(node, kind, copy)
     outer, outer_index = copy_context.current(), copy_context.current_copy()

@@ -49,23 +49,24 @@ def megatron_state(ctx, **sizes):
 @contextlib.contextmanager
 def recorded(calls: list):
     """Every collective issued inside, in order: (name, shapes, copy). Entered before coc-inject is
-    installed, it sits beneath coc-inject's wrappers and sees the order calls reach the network."""
-    from coc_inject import copy_context, dist_interception
+    installed, it sits beneath coc-inject's wrappers and sees the order calls reach the network. It
+    only observes: the copy is what the copies' run itself knows (the copy thread's in the forward,
+    the running node's in the backward)."""
+    from coc_inject import dist_interception
+    from coc_inject.multi_copy import scheduler
 
     def recording(name, original):
         def record(*args, **kwargs):
             first = args[0] if args else next(iter(kwargs.values()))
             tensors = first if isinstance(first, (list, tuple)) else [first]
             calls.append((name, [tuple(t.shape) for t in tensors if hasattr(t, "shape")],
-                          copy_context.current_copy()))
+                          scheduler.current_copy()))
             return original(*args, **kwargs)
 
         record.__wrapped__ = original  # coc-inject finds async_op in the signature through it
         return record
 
-    from coc_inject.multi_copy import segments
-
-    with dist_interception.replaced(recording), segments.naming_copies():  # the backward's copies named too
+    with dist_interception.replaced(recording):
         yield calls
 
 

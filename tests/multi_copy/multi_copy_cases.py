@@ -14,6 +14,7 @@ import torch.distributed as dist
 from coc_inject import copy_context, dist_interception
 from coc_inject.multi_copy import install as copies_install
 from coc_inject.multi_copy import collectives as copies_collectives
+from coc_inject.multi_copy import scheduler as copies_scheduler
 from coc_inject.multi_copy.cuts import KINDS
 from tests.context_parallel import cp_gpt_cases
 from tests.dist_harness import reinitialize_model_parallel
@@ -25,17 +26,15 @@ RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_
 class CollectiveRecorder:
     """Every collective issued on this rank in order: (op, group ranks, shape, copy, left in flight).
     Entered before coc-inject's copies run (dist_interception nests), it sits beneath coc-inject's
-    wrappers and sees the order collectives reach the network."""
+    wrappers and sees the order collectives reach the network. It only observes: the copy is what
+    production itself knows (scheduler.current_copy: the copy thread's, or the running node's)."""
 
     def __init__(self):
         self.calls: list = []
         self._inside = contextlib.ExitStack()
 
     def __enter__(self):
-        from coc_inject.multi_copy import segments
-
         self._inside.enter_context(dist_interception.replaced(self._recording, RECORDED))
-        self._inside.enter_context(segments.naming_copies())
         return self
 
     def __exit__(self, *exc):
@@ -54,7 +53,7 @@ class CollectiveRecorder:
                 and isinstance(first[0], torch.Tensor) else None)
             run = copy_context.current()
             deferred = run is not None and run.defers(KINDS.get(name))  # left in flight past its node
-            self.calls.append((name, ranks, shape, copy_context.current_copy(), deferred))
+            self.calls.append((name, ranks, shape, copies_scheduler.current_copy(), deferred))
             return original(*args, **kwargs)
 
         record.__wrapped__ = original  # coc-inject reads the signature through it
@@ -371,12 +370,14 @@ def train_ddp(copies=2, steps=2, b=4, seq=32):
     return {"losses": losses, "grads": grads, "routes": routes}
 
 
-def block_call_attributes(copies=2):
+def block_call(copies=2, record=False):
     """One TransformerBlock call as ``copies`` copies (TP = the world, SP), forward and backward: the
-    route it took (install.last_route) and every attribute naming coc-inject on the block or its
-    modules afterwards (none may be left on Megatron's objects)."""
+    route it took (install.last_route), every attribute naming coc-inject left on the block or its
+    modules (none may be), the names the copies asked Megatron's global memory buffer for, forward
+    and backward, and with ``record`` the collectives recorded (the recorder must change none of it)."""
     import types
 
+    from megatron.core import utils
     from megatron.core.transformer import transformer_block
 
     from coc_inject import job
@@ -388,12 +389,24 @@ def block_call_attributes(copies=2):
     sizes = types.SimpleNamespace(layers=1, batch=2 * copies, seq=8 * world, heads=world, hidden=8 * world,
                                   ffn=16 * world)
     block, hidden, mask = build_block(sizes)
-    copies_install.install(CocConfig(multi_copy=copies), transformer_block)
-    try:
+    names = set()
+    get_tensor = utils.GlobalMemoryBuffer.get_tensor
+
+    def naming(self, tensor_shape, dtype, name, *args, **kwargs):  # beneath coc-inject's: the names it gives
+        names.add(("backward" if torch._C._current_autograd_node() is not None else "forward", name))
+        return get_tensor(self, tensor_shape, dtype, name, *args, **kwargs)
+
+    recorder = CollectiveRecorder() if record else None
+    with contextlib.ExitStack() as inside:
+        utils.GlobalMemoryBuffer.get_tensor = naming
+        inside.callback(setattr, utils.GlobalMemoryBuffer, "get_tensor", get_tensor)
+        if recorder is not None:
+            inside.enter_context(recorder)
+        copies_install.install(CocConfig(multi_copy=copies), transformer_block)
+        inside.callback(job.uninstall)
         block(hidden.requires_grad_(), mask).sum().backward()
         route = copies_install.last_route(block)
-    finally:
-        job.uninstall()
     left = sorted(f"{name or 'block'}.{attribute}" for name, module in block.named_modules()
                   for attribute in vars(module) if "coc" in attribute.lower())
-    return {"copies": route.copies if route else None, "reason": getattr(route, "reason", None), "left": left}
+    return {"copies": route.copies if route else None, "reason": getattr(route, "reason", None), "left": left,
+            "buffers": sorted(names), "collectives": recorder.calls if recorder is not None else None}
