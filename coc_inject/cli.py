@@ -262,6 +262,8 @@ def report_table(reports: list) -> str:
             lines.append(f"  not seen by CoC: {count} x {name}")
         for name, origin in report.get("replaced_forwards", {}).items():
             lines.append(f"  {name}.forward replaced by {origin}: CoC not active for it")
+        for name, count in report.get("half_built_modules", {}).items():
+            lines.append(f"  construction failed (see the job's error): {count} x {name}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

@@ -212,6 +212,12 @@ def _hierarchical(megatron_config) -> list:
 
 def _hybrid_degree(coc_config, megatron_config, where) -> int:
     n = megatron_config.context_parallel_size
+    if not any(n % u == 0 for u in range(2, n)):  # CP 2, 3 or any prime: no Ulysses degree can split it
+        chosen = ("cp_comm_type='a2a+p2p' with COC_CP_ALGO=megatron" if coc_config.cp_algorithm == FOLLOW_MEGATRON
+                  else f"COC_CP_ALGO={coc_config.cp_algorithm}")
+        raise ContextParallelError(f"{where}: {chosen}: hybrid needs CP >= 4, a context-parallel size that a Ulysses "
+                                   f"degree u (1 < u < CP) divides; CP={n} has none: choose ring, ulysses or "
+                                   "allgather here, or hybrid with CP >= 4 (e.g. CP=4, COC_CP_ULYSSES_DEGREE=2)")
     hierarchical = _hierarchical(megatron_config)
     from_megatron = hierarchical[0] if len(hierarchical) == 2 else None
     degree = coc_config.cp_ulysses_degree or from_megatron

@@ -2,8 +2,9 @@
 
 Done at summary / report time only, never per call: it names the counted layers by their
 qualified module name (leading ``module.`` wrappers of DDP / Float16Module dropped), counts
-Megatron's local and Transformer Engine's tensor-parallel linears, and finds patched forwards
-that someone else replaced since install().
+Megatron's local and Transformer Engine's tensor-parallel linears, finds patched forwards
+that someone else replaced since install(), and counts modules left half-built by a failed
+construction (skipped: they have no children to walk).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class ModelView:
         self.foreign_layers: dict[str, int] = {}
         self.replaced: dict[str, str] = {}  # class name -> module.qualname of the forward now in place
         self.local_layers = 0
+        # class name -> modules whose __init__ failed before torch's Module.__init__ (no _modules): a layer
+        # whose construction raised, kept alive by the traceback until exit.
+        self.half_built: dict[str, int] = {}
 
     def inspect(self, records) -> None:
         """Name the live layers of ``records``; count local and TE layers; find replaced forwards."""
@@ -42,6 +46,7 @@ class ModelView:
         local_classes = tuple(self.patched_forwards)
         parents = {}
         foreign: dict[str, int] = {}
+        half_built: dict[str, int] = {}
         local = 0
         gc.collect()  # layers that are garbage must not count (once per summary / report)
         # type(obj) reads no attribute of the object: isinstance() would read a foreign object's
@@ -53,7 +58,11 @@ class ModelView:
                 cls = type(obj)
                 if not issubclass(cls, torch.nn.Module):
                     continue
-                for child_name, child in obj._modules.items():
+                children = getattr(obj, "__dict__", {}).get("_modules")  # never Module.__getattr__
+                if children is None:
+                    half_built[cls.__name__] = half_built.get(cls.__name__, 0) + 1
+                    continue
+                for child_name, child in children.items():
                     if child is not None:
                         parents[id(child)] = (obj, child_name)
                 if issubclass(cls, local_classes):
@@ -67,6 +76,8 @@ class ModelView:
         for name, count in foreign.items():
             self.foreign_layers[name] = max(count, self.foreign_layers.get(name, 0))
         self.local_layers = max(local, self.local_layers)
+        for name, count in half_built.items():
+            self.half_built[name] = max(count, self.half_built.get(name, 0))
         self.replaced = {cls.__name__: _origin(cls.__dict__.get("forward"))
                          for cls, ours in self.patched_forwards.items() if cls.__dict__.get("forward") is not ours}
 

@@ -187,6 +187,7 @@ def report(coverage) -> dict:
         "local_layers": model.local_layers,
         "foreign_layers": dict(sorted(model.foreign_layers.items())),
         "replaced_forwards": dict(sorted(model.replaced.items())),
+        "half_built_modules": dict(sorted(model.half_built.items())),
         "auto_decisions": [
             {"key": key.text(), "case": key.case, "shape": [key.m, key.k, key.n], "dtype": key.dtype,
              "chunks": decision.chunks, "source": decision.source,

@@ -63,3 +63,17 @@ def test_report_lists_every_attention_layer(runs):
                    == ("DotProductAttention", "ring", 2, STEPS) for layer in attention)
         assert report["calls"]["context-parallel"] == 2 * STEPS
         assert report["config"]["cp_algorithm"] == "ring"
+
+
+def test_a_layer_refused_at_construction_still_gets_its_report(tmp_path):
+    # hybrid at CP 2 is refused inside DotProductAttention's __init__, before torch's Module.__init__: the
+    # half-built layer, alive in the traceback at exit, must not cost the report (issue 33, item 7).
+    env = clean_env(PYTHONPATH=str(SITE), COC_CP_ALGO="hybrid", COC_REPORT=str(tmp_path / "hybrid_{rank}.json"))
+    proc = torchrun(SCRIPT, [*ARGS, "--context-parallel-size", "2"], env, tmp_path, ranks=2)
+    assert proc.returncode != 0
+    assert "cannot write the CoC report" not in proc.stderr, proc.stderr[-3000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"hybrid_{rank}.json").read_text())
+        assert report["ended_by"] == "exception" and report["rank"] == rank
+        assert report["half_built_modules"] == {"DotProductAttention": 1}
+    assert "COC_CP_ALGO=hybrid: hybrid needs CP >= 4" in proc.stderr, proc.stderr[-3000:]

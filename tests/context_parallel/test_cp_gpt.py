@@ -145,13 +145,16 @@ def error_of(pool, **kwargs):
     (dict(attention_dropout=0.1), "attention dropout 0.1"),
     (dict(heads=2, groups=2, coc={"cp_algo": "ulysses"}, cp=4), "num_attention_heads=2"),
     (dict(coc={"cp_algo": "hybrid"}, cp=4), "COC_CP_ULYSSES_DEGREE"),
+    # No Ulysses degree can split CP 2: the error says what hybrid needs, not to set a degree.
+    (dict(coc={"cp_algo": "hybrid"}), "COC_CP_ALGO=hybrid: hybrid needs CP >= 4"),
     (dict(coc={"cp_algo": "ring", "cp_window": 3}, cp=4), "COC_CP_WINDOW=3"),
     (dict(coc={"cp_algo": "megatron"}, cp_comm_type="fancy"), "cp_comm_type='fancy'"),
-], ids=["dropout", "ulysses-heads", "hybrid-degree", "window", "cp_comm_type"])
+], ids=["dropout", "ulysses-heads", "hybrid-degree", "hybrid-cp2", "window", "cp_comm_type"])
 def test_construction_errors_name_the_feature(pool, kwargs, needle):
     kwargs = {"tp": 1, "cp": 2, "coc": {"cp_algo": "ring"}, **kwargs}
     message = error_of(pool, **kwargs)
     assert "ContextParallelError" in message and needle in message, message
+    assert needle == "COC_CP_ULYSSES_DEGREE" or "set COC_CP_ULYSSES_DEGREE" not in message, message
 
 
 @newest_only

@@ -209,6 +209,36 @@ def test_job_raising_before_its_first_step_gets_no_summary(tmp_path):
     assert report["calls"] == {"chunked": 0, "fused": 0, "megatron": 0, "context-parallel": 0, "multi-copy": 0, "moe": 0} and report["megatron_core"]
 
 
+class _HalfBuilt(torch.nn.Module):
+    """A layer whose construction fails before torch's Module.__init__ (as a CP setting refused there)."""
+
+    def __init__(self):
+        raise ValueError("refused before Module.__init__")
+
+
+def test_a_module_left_half_built_is_skipped_and_said_in_the_report(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    kept = []  # a real job's traceback keeps the half-built object alive until exit
+    original_init = _HalfBuilt.__init__
+
+    def keep(self):
+        kept.append(self)
+        original_init(self)
+
+    monkeypatch.setattr(_HalfBuilt, "__init__", keep)
+    with pytest.raises(ValueError):
+        _HalfBuilt()
+    cov = _coverage(tmp_path, str(tmp_path / "r{rank}.json"))
+    cov.arm()
+    try:
+        path = cov.write_report()
+    finally:
+        cov.disarm()
+    assert path == str(tmp_path / "r0.json")
+    report = json.loads((tmp_path / "r0.json").read_text())
+    assert report["half_built_modules"] == {"_HalfBuilt": 1} and kept
+
+
 class _Touchy:
     """Counts every attribute read on its instances (as torch.distributed.reduce_op warns on each)."""
 
