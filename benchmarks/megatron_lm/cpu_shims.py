@@ -6,12 +6,16 @@ runs unchanged, from its bootstrap on PYTHONPATH), and both runs -- coc-inject o
 the same shims. ``apply()`` before Megatron's training code runs (run_pretrain.py).
 """
 
+import atexit
 import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+import pathlib
 import sys
 import sysconfig
+import types
 import typing
 
 import torch
@@ -23,11 +27,13 @@ CPU = torch.device("cpu")
 
 def apply() -> None:
     _python()
+    _apex_stand_in()
     _devices()
     _streams()
     _rng()
     _collectives()
     _dataset_helpers()
+    _sequence_parallel_norm()
 
 
 def _python() -> None:
@@ -45,10 +51,28 @@ def _devices() -> None:
     torch.cuda.current_device = lambda: CPU
     torch.cuda.set_device = lambda device: None
     torch.cuda.synchronize = lambda *args, **kwargs: None  # the timers, barriers around steps
+    # With TP or CP > 1 the argument checks ask for the device's architecture (CUDA_DEVICE_MAX_CONNECTIONS
+    # matters before Blackwell): a Hopper-like answer, the case most users have.
+    torch.cuda.get_device_properties = lambda *args, **kwargs: types.SimpleNamespace(
+        major=9, minor=0, name="CPU stand-in", total_memory=0, multi_processor_count=1)
     # With a "CUDA device" claimed, the router's torch.compile'd helpers ask Triton for its
     # properties: run them eagerly.
     torch._dynamo.config.disable = True
     _CudaOnCpu().__enter__()  # for the rest of the process (this thread; autograd carries it along)
+
+
+def _apex_stand_in() -> None:
+    # Gradient accumulation fusion (Megatron's default on every GPU job with apex or Transformer
+    # Engine) needs apex's fused_weight_gradient_mlp_cuda: the tests' CPU stand-in, which adds
+    # grad_output^T @ input into main_grad as the kernel does, is found under that name.
+    path = pathlib.Path(__file__).resolve().parents[2] / "tests" / "fakes" / "fused_wgrad.py"
+    spec = importlib.util.spec_from_file_location("coc_tests_fused_wgrad", path)
+    fused_wgrad = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fused_wgrad)
+    sys.modules[fused_wgrad.NAME] = fused_wgrad.module()
+    if os.environ.get("RANK", "0") == "0":
+        atexit.register(lambda: print(f"[cpu shims] apex stand-in: {len(fused_wgrad.calls)} fused weight-gradient "
+                                      "accumulations on rank 0", flush=True))
 
 
 def _is_cuda(device) -> bool:
@@ -67,6 +91,9 @@ class _CudaOnCpu(torch.overrides.TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The distributed optimizer and clip_grads check parameters' type names ("torch.cuda.BFloat16Tensor").
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = CPU
         if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device, int)) \
@@ -146,3 +173,24 @@ def _dataset_helpers() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module
+
+
+def _sequence_parallel_norm() -> None:
+    # Without apex the local spec's norm is Megatron's WrappedTorchNorm, which refuses sequence
+    # parallelism only because it does not flag its parameters for the gradient all-reduce over TP
+    # (apex's FusedLayerNorm does): build it without the flag in the config, then flag its parameters.
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        sequence_parallel, config.sequence_parallel = config.sequence_parallel, False
+        try:
+            norm = original(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for param in norm.parameters():
+            param.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
