@@ -32,7 +32,8 @@ REFUSED = {"inference_context": "inference", "inference_params": "inference", "s
 
 # What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
 WITHOUT_COPIES = ("a micro-batch not divisible by the copies", "dropout > 0", "MoE layers", "packed sequences",
-                  "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs")
+                  "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
+                  "a torch whose autograd the copies' backward cannot rely on (checked at install)")
 
 
 @dataclass(frozen=True)

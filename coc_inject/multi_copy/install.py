@@ -6,6 +6,10 @@
 * Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
 * Megatron's global memory buffer: a name per copy (forward and backward).
 
+Before anything is patched, autograd_check.reason() runs the copies' backward once on a tiny graph:
+on a torch whose autograd does not behave as it assumes, every block runs Megatron's forward with
+that reason (said once, counted, in the banner and COC_REPORT).
+
 Megatron's DDP needs nothing: the copies' backward runs each parameter's AccumulateGrad once per
 micro-batch, with every copy's gradient summed (segments.py).
 
@@ -22,7 +26,7 @@ import weakref
 
 from coc_inject import job, log
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import auto, block as copies_block, cuts, scheduler
+from coc_inject.multi_copy import auto, autograd_check, block as copies_block, cuts, scheduler
 from coc_inject.routes import CopiesRoute
 
 AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
@@ -39,12 +43,15 @@ def _install(installation, transformer_block_module) -> None:
     _patch_gather_mapping(patches)
     _patch_memory_buffer(patches)
     cls = transformer_block_module.TransformerBlock
-    patches.patch(cls, "forward", _copies_forward(installation, patches.original(cls, "forward")))
+    patches.patch(cls, "forward", _copies_forward(installation, patches.original(cls, "forward"),
+                                                  autograd_check.reason()))
 
 
 def banner(config) -> str:
     copies = "auto (copies or not per block shape)" if config.multi_copy == AUTO else f"{config.multi_copy} copies"
-    return f"multi-copy installed on TransformerBlock: {copies} (details: coc-inject status, COC_REPORT)"
+    unsupported = autograd_check.reason()  # checked at install: the cached answer
+    aside = "" if unsupported is None else f"; every block runs Megatron's: {unsupported}"
+    return f"multi-copy installed on TransformerBlock: {copies}{aside} (details: coc-inject status, COC_REPORT)"
 
 
 on_transformer_block_imported = job.wing_hook(lambda config: config.multi_copy_armed, _install, banner)
@@ -77,14 +84,15 @@ def _patch_memory_buffer(patches) -> None:
     patches.patch(cls, "get_tensor", get_tensor)
 
 
-def _copies_forward(installation, original):
+def _copies_forward(installation, original, unsupported: str | None):
+    """``unsupported``: why no block may run as copies in this process (autograd_check), or None."""
     setting = installation.config.multi_copy
     copies = auto.AUTO_COPIES[0] if setting == AUTO else setting  # auto: the split is checked for the fewest
     linears_auto = installation.config.tunes_linears  # the config is frozen: read once, not per block call
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        reason = copies_block.block_reason(self, copies)
+        reason = unsupported or copies_block.block_reason(self, copies)
         split = arguments = None
         if reason is None:
             arguments = copies_block.bind(original, self, args, kwargs)

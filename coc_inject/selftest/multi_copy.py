@@ -5,7 +5,10 @@ input gradient and parameter gradients (fixed output gradient), that the block r
 every rank issued the same collectives (name, shapes, copy) in the same order; the time of both
 (Megatron's on the whole micro-batch). The halves are the truth as a parameter gradient sums over the
 batch: in bf16 / fp16 two rounded halves differ from one rounded whole by up to the dtype's bound,
-whoever computes them; against the halves the copies are exact in every dtype."""
+whoever computes them; against the halves the copies are exact in every dtype.
+
+First, on one rank or many: this torch's autograd runs the copies' backward as it assumes
+(multi_copy/autograd_check.py, the check install makes; where it fails, every block runs Megatron's)."""
 
 from __future__ import annotations
 
@@ -16,9 +19,27 @@ WING = "multi-copy"
 COPIES, LAYERS, BATCH = 2, 2, 2  # the batch splits into the copies
 
 
+AUTOGRAD_CASE = "autograd runs the copies' backward"
+
+
 def run(ctx) -> list[dict]:
-    return run_case(ctx, WING, f"TransformerBlock x{LAYERS} TP={ctx.world} SP", f"{COPIES} copies",
-                    "no tensor-parallel collectives to overlap", _case, tensor_model_parallel_size=ctx.world)
+    return [_autograd(ctx)] + run_case(ctx, WING, f"TransformerBlock x{LAYERS} TP={ctx.world} SP", f"{COPIES} copies",
+                                       "no tensor-parallel collectives to overlap", _case,
+                                       tensor_model_parallel_size=ctx.world)
+
+
+def _autograd(ctx) -> dict:
+    """The install's check of torch's autograd (node renumbering, the ready queue's order, the running
+    node): 0 when it behaves as the copies' backward assumes on every rank, else 1 and the reason."""
+    import torch
+
+    from coc_inject.multi_copy import autograd_check
+
+    ctx.progress(WING, AUTOGRAD_CASE)
+    why = autograd_check.reason()
+    failed = common.max_over_ranks(float(why is not None), ctx.group, ctx.device)
+    return common.row(WING, AUTOGRAD_CASE, f"torch {torch.__version__}", {"autograd order": failed}, ctx.dtype,
+                      bound=0.0, **({} if why is None else {"why_not_copies": why}))
 
 
 def _case(ctx, case, backend) -> dict:

@@ -161,9 +161,17 @@ def test_a_micro_batch_copies_cannot_split_runs_megatrons_block(pool, b, reason)
 def test_a_block_call_with_copies_leaves_no_coc_attribute_on_megatrons_objects(pool):
     """What a call found out (its route, whether its copies cut their backward) comes back through the
     call; nothing per call is left on the block or its modules."""
-    got = pool.run("tests.multi_copy.multi_copy_cases:block_call", copies=2)
+    got = pool.run("tests.multi_copy.block_cases:block_call", copies=2)
     assert all(r["copies"] == 2 and r["reason"] is None for r in got), got
     assert all(r["left"] == [] for r in got), [r["left"] for r in got]
+
+
+@newest_only
+def test_a_torch_whose_autograd_fails_installs_check_runs_megatrons_block_with_the_reason(pool):
+    got = pool.run("tests.multi_copy.block_cases:block_call", copies=2, broken_autograd=True)
+    assert all(r["copies"] == 1 and "the copies' backward cannot rely on this torch's autograd" in r["reason"]
+               and "another order" in r["reason"] for r in got), [r["reason"] for r in got]
+    assert all(name == "mpu" for r in got for _, name in r["buffers"]), got[0]["buffers"]  # no copy ran
 
 
 @newest_only
@@ -171,8 +179,8 @@ def test_recording_the_collectives_changes_nothing_that_runs(pool):
     """The tests' recorder only observes: with and without it the copies ask Megatron's global memory
     buffer for the same names, a copy's own in the backward too (as the docs say), and it still names
     each collective's copy, forward and backward."""
-    plain = pool.run("tests.multi_copy.multi_copy_cases:block_call", copies=2)
-    recorded = pool.run("tests.multi_copy.multi_copy_cases:block_call", copies=2, record=True)
+    plain = pool.run("tests.multi_copy.block_cases:block_call", copies=2)
+    recorded = pool.run("tests.multi_copy.block_cases:block_call", copies=2, record=True)
     for mine, theirs in zip(recorded, plain):
         assert mine["buffers"] == theirs["buffers"], (mine["buffers"], theirs["buffers"])
         backward = {name for phase, name in theirs["buffers"] if phase == "backward"}

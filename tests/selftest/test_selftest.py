@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from coc_inject.selftest import linears
+from coc_inject.selftest.multi_copy import AUTOGRAD_CASE
 from coc_inject.selftest.run import WINGS
 
 
@@ -76,7 +77,8 @@ def test_context_parallel_runs_each_algorithm_cp2_has_with_memory_per_rank(selft
 
 def test_multi_copy_and_moe_check_order_and_pieces(selftest):
     _, result = selftest
-    (copies,) = checked(result, "multi-copy")
+    autograd, copies = checked(result, "multi-copy")
+    assert autograd["case"] == AUTOGRAD_CASE and autograd["errors"] == {"autograd order": 0.0}
     assert copies["errors"]["collective order"] == 0.0 and copies["collectives"] > 0
     (moe,) = checked(result, "moe")
     assert moe["errors"]["pieces ran"] == 0.0
