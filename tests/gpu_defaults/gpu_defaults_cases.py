@@ -218,10 +218,12 @@ def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp:
 
 def _routes(model) -> dict:
     """What each wing's layers ran (their last call's route), by wing."""
+    from coc_inject.multi_copy.install import last_route
+
     found: dict = {}
     for module in model.modules():
-        for attribute in ("_coc_multi_copy", "_coc_moe", "_coc_cp"):
-            route = getattr(module, attribute, None)
+        for attribute in ("_coc_multi_copy", "_coc_moe", "_coc_cp"):  # multi-copy's is kept off the block
+            route = last_route(module) if attribute == "_coc_multi_copy" else getattr(module, attribute, None)
             if route is not None:
                 found.setdefault(attribute, set()).add(getattr(route, "reason", None) or repr(route)[:80])
     return {wing: sorted(map(str, reasons)) for wing, reasons in found.items()}
