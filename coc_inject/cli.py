@@ -262,6 +262,9 @@ def report_table(reports: list) -> str:
             lines.append(f"  not seen by CoC: {count} x {name}")
         for name, origin in report.get("replaced_forwards", {}).items():
             lines.append(f"  {name}.forward replaced by {origin}: CoC not active for it")
+        trials = {route: n for route, n in report.get("trial_calls", {}).items() if n}
+        if trials:
+            lines.append("  apart from these, auto's trials: " + ", ".join(f"{route} {n}" for route, n in trials.items()))
         for name, count in report.get("half_built_modules", {}).items():
             lines.append(f"  construction failed (see the job's error): {count} x {name}")
         blocks.append("\n".join(lines))
@@ -326,4 +329,11 @@ def main(argv=None) -> int:
 
         return selftest_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at interpreter exit
+        return code
+    except BrokenPipeError:  # ``coc-inject report ... | head``: the reader has all it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's final flush of stdout then goes nowhere
+        return 1

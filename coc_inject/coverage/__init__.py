@@ -1,8 +1,8 @@
 """What CoC did in this process: the route every tensor-parallel layer, attention, block and MoE call took.
 
 The engine and the attention hook count each call under its route (:mod:`coc_inject.routes`)
-per layer; from those counts come the first-step summary with its warnings and the COC_REPORT
-file. The parts:
+per layer, the calls of ``auto``'s trials apart; from the job's counts come the first-step
+summary with its warnings and the COC_REPORT file. The parts:
 
 * :mod:`.counting`: the per-call counts (the hot path);
 * :mod:`.model`: one pass over the live modules at summary / report time (layer names, local
@@ -37,7 +37,7 @@ class Coverage(Counts):
         self.moe_decisions = dict  # () -> {MoEKey: Decision} of COC_MOE_OVERLAP=auto
 
     def inspect_model(self) -> None:
-        self.model.inspect(self.records.values())
+        self.model.inspect([*self.job.records.values(), *self.trials.records.values()])
 
     def summary_line(self) -> str:
         return reporting.summary_line(self)

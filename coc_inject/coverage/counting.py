@@ -1,9 +1,10 @@
 """The hot path of the coverage: each layer call counted under its route, per live layer.
 
 One dict lookup by route and one increment per call (``make bench-accounting`` measures it): a
-route's hash is a Python call (a frozen dataclass's), so each call hashes it once, into a one-slot
-tally. A route is one of :mod:`coc_inject.routes`' frozen dataclasses, so the totals below ask
-for a kind of route by its type, never by a slot of a key.
+route's hash is a Python call (a frozen dataclass's), so each call hashes it once, into its tally.
+A trial's call (:func:`coc_inject.trial.active`) goes to a ledger of its own. A route is one of
+:mod:`coc_inject.routes`' frozen dataclasses, so the totals below ask for a kind of route by its
+type, never by a slot of a key.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
+from coc_inject import trial
 from coc_inject.routes import COUNTED, AttentionRoute, Chunked, Fused, MegatronPath
 
 
@@ -21,7 +23,7 @@ class LayerRecord:
     layer: weakref.ref
     cls: str
     shape: list  # [m, k, n] of its first call ([] for attention)
-    tallies: dict = field(default_factory=dict)  # route -> [calls]
+    tallies: dict = field(default_factory=dict)  # route -> [calls, shape of the route's first call]
     name: str | None = None
 
     @property
@@ -29,12 +31,16 @@ class LayerRecord:
         """{route: calls}."""
         return {route: tally[0] for route, tally in self.tallies.items()}
 
+    def shape_for(self, route) -> list:
+        """The shape of the route's first call: the one its reason speaks of."""
+        return self.tallies[route][1]
+
 
 def _no_shape(layer, input_) -> list:
     return []
 
 
-class Counts:
+class Ledger:
     """Calls per layer and route; a freed layer's record is kept (its id may be reused)."""
 
     def __init__(self):
@@ -46,13 +52,10 @@ class Counts:
         if record is None or record.layer() is not layer:
             record = self._new_record(layer, input_, shape_of)
         tally = record.tallies.get(route)
-        if tally is None:
-            record.tallies[route] = [1]
+        if tally is None:  # a route's first call on this layer: its shape, once
+            record.tallies[route] = [1, record.shape if not record.tallies else list(shape_of(layer, input_))]
         else:
             tally[0] += 1
-
-    def count_attention(self, layer, route: AttentionRoute) -> None:
-        self.count(layer, route, None, _no_shape)
 
     def _new_record(self, layer, input_, shape_of) -> LayerRecord:
         record = LayerRecord(weakref.ref(layer), type(layer).__name__, list(shape_of(layer, input_)))
@@ -66,12 +69,45 @@ class Counts:
         return self._retired + list(self.records.values())
 
     def calls_by_route(self) -> dict:
-        """{route name: calls}, every kind named (the report's "calls")."""
+        """{route name: calls}, every kind named."""
         totals = {kind.name: 0 for kind in COUNTED}
         for record in self.all_records():
             for route, calls in record.routes.items():
                 totals[route.name] += calls
         return totals
+
+
+class Counts:
+    """The job's calls per layer and route; the calls of ``auto``'s trials apart (``trials``).
+
+    A trial runs a candidate on the job's own layers (:mod:`coc_inject.trial`): its calls are not
+    the job's, so they neither add to the job's counts nor give a layer its first shape or reason.
+    """
+
+    def __init__(self):
+        self.job = Ledger()
+        self.trials = Ledger()
+
+    @property
+    def records(self) -> dict:
+        return self.job.records
+
+    def count(self, layer, route, input_, shape_of) -> None:
+        (self.trials if trial.active() else self.job).count(layer, route, input_, shape_of)
+
+    def count_attention(self, layer, route: AttentionRoute) -> None:
+        self.count(layer, route, None, _no_shape)
+
+    def all_records(self) -> list:
+        return self.job.all_records()
+
+    def calls_by_route(self) -> dict:
+        """{route name: calls} of the job, every kind named (the report's "calls")."""
+        return self.job.calls_by_route()
+
+    def trial_calls_by_route(self) -> dict:
+        """{route name: calls} of auto's trials (the report's "trial_calls")."""
+        return self.trials.calls_by_route()
 
     def routes_of(self, kind) -> dict:
         """{route: calls} over all layers, for routes of type ``kind``."""

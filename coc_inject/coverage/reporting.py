@@ -105,6 +105,9 @@ def summary_line(coverage) -> str:
     reasons = coverage.megatron_reasons()
     if reasons:
         text += "; Megatron's path because: " + "; ".join(f"{why} ({n} calls)" for why, n in reasons.items())
+    trials = {kind: n for kind, n in coverage.trial_calls_by_route().items() if n}
+    if trials:
+        text += "; apart from these, auto's trials: " + ", ".join(f"{n} {kind}" for kind, n in trials.items())
     return text
 
 
@@ -147,22 +150,23 @@ def warnings(coverage) -> list:
 
 
 def _layer_entry(record, route, calls: int) -> dict:
-    """One row of the report's "layers": a layer and one of its routes."""
+    """One row of the report's "layers" (or "trials"): a layer and one of its routes."""
+    shape = record.shape_for(route)  # the route's first call: the shape its reason names
     if isinstance(route, CopiesRoute):
-        return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape, "route": route.name,
+        return {"name": record.name or record.cls, "class": record.cls, "shape": shape, "route": route.name,
                 "copies": route.copies, "layers": route.layers, "chunks": None, "backend": None,
                 "reason": route.reason, "backward_in_turn": route.backward_in_turn, "calls": calls}
     if isinstance(route, MoERoute):
-        return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape, "route": route.name,
+        return {"name": record.name or record.cls, "class": record.cls, "shape": shape, "route": route.name,
                 "pieces": route.pieces, "chunks": route.chunks or None, "backend": None, "reason": route.reason,
                 "calls": calls}
     if isinstance(route, AttentionRoute):
-        return {"name": record.name or record.cls, "class": record.cls, "shape": record.shape,
+        return {"name": record.name or record.cls, "class": record.cls, "shape": shape,
                 "route": route.name, "algorithm": route.algorithm, "cp_size": route.cp_size, "chunks": None,
                 "backend": None, "kernel": route.kernel, "reason": route.reason, "calls": calls}
     return {
         "name": record.name or f"{record.cls}[{record.shape[1]}x{record.shape[2]}]",
-        "class": record.cls, "shape": record.shape, "route": route.name,
+        "class": record.cls, "shape": shape, "route": route.name,
         "chunks": route.chunks if isinstance(route, Chunked) else None,
         "backend": route.backend if isinstance(route, Fused) else None,
         "reason": route.reason if isinstance(route, MegatronPath) else None, "calls": calls,
@@ -184,6 +188,10 @@ def report(coverage) -> dict:
         "calls": coverage.calls_by_route(),
         "layers": [_layer_entry(record, route, calls)
                    for record in coverage.all_records() for route, calls in record.routes.items()],
+        # auto's trials: candidates run on the job's layers at a shape's first call, not the job's calls
+        "trial_calls": coverage.trial_calls_by_route(),
+        "trials": [_layer_entry(record, route, calls)
+                   for record in coverage.trials.all_records() for route, calls in record.routes.items()],
         "local_layers": model.local_layers,
         "foreign_layers": dict(sorted(model.foreign_layers.items())),
         "replaced_forwards": dict(sorted(model.replaced.items())),

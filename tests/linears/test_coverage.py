@@ -286,6 +286,20 @@ def test_cli_report_prints_a_table(tmp_path):
     assert "not seen by CoC: 2 x TELayerNormColumnParallelLinear" in proc.stdout
 
 
+def test_cli_report_into_a_closed_pipe_ends_quietly(tmp_path):
+    # ``coc-inject report ... | head -1``: head exits after its line; the rest of the table meets a closed pipe.
+    row = {"name": "decoder.layers.0.mlp.linear_fc2", "class": "RowParallelLinear", "shape": [64, 32, 32],
+           "route": "chunked", "chunks": 4, "backend": None, "reason": None, "calls": 3}
+    path = tmp_path / "r0.json"
+    path.write_text(json.dumps({"rank": 0, "world_size": 2, "calls": {"chunked": 3}, "layers": [row] * 20000}))
+    command = f"{sys.executable} -m coc_inject report {path} | head -1"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.stdout.startswith(f"{path}: rank 0/2"), proc.stdout
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    assert proc.stderr == ""
+
+
 def test_a_freed_layers_calls_stay_in_the_report():
     cov = coverage.Coverage(CocConfig(parallel_num=4), {})
     first = torch.nn.Linear(2, 2)
@@ -298,6 +312,34 @@ def test_a_freed_layers_calls_stay_in_the_report():
     assert sorted((layer["route"], layer["calls"], layer["shape"]) for layer in report["layers"]) == [
         ("chunked", 1, [8, 2, 2]), ("megatron", 1, [4, 2, 2])]
     assert report["calls"] == {"chunked": 1, "fused": 0, "megatron": 1, "context-parallel": 0, "multi-copy": 0, "moe": 0}
+
+
+def test_trial_calls_are_counted_apart_and_give_no_row_its_shape():
+    # auto's trials run candidates on the job's own layers (a block's copies: half the batch) before the
+    # job's first call of a shape: not the job's calls, nor its first shape (issue 33, item 8).
+    from coc_inject import trial
+
+    cov = coverage.Coverage(CocConfig(parallel_num=4), {})
+    layer = torch.nn.Linear(2, 2)
+    half, full = (lambda layer, x: (8, 2, 2)), (lambda layer, x: (16, 2, 2))
+    with trial.isolated([layer]):
+        for _ in range(3):
+            cov.count(layer, routes.MegatronPath("auto chose Megatron's own path (N=1) for [8, 2, 2]"), None, half)
+        cov.count(layer, routes.Chunked(4), None, half)
+    assert trial.active() is False
+    cov.count(layer, routes.Chunked(4), None, full)
+    cov.count(layer, routes.Chunked(4), None, full)
+    cov.count(layer, routes.MegatronPath("auto chose Megatron's own path (N=1) for [8, 2, 2]"), None, half)
+    report = cov.report()
+    assert sorted((row["route"], row["calls"], row["shape"]) for row in report["layers"]) == [
+        ("chunked", 2, [16, 2, 2]), ("megatron", 1, [8, 2, 2])]  # each row: the shape of its route's first call
+    assert report["calls"]["chunked"] == 2 and report["calls"]["megatron"] == 1
+    assert report["trial_calls"]["megatron"] == 3 and report["trial_calls"]["chunked"] == 1
+    assert sorted((row["route"], row["calls"], row["shape"]) for row in report["trials"]) == [
+        ("chunked", 1, [8, 2, 2]), ("megatron", 3, [8, 2, 2])]
+    line = cov.summary_line()
+    assert "2 chunked (N=4), 1 Megatron's own" in line and line.endswith("apart from these, auto's trials: 1 chunked, "
+                                                                        "3 megatron"), line
 
 
 @newest_only

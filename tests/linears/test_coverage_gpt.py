@@ -76,3 +76,33 @@ def test_cli_reads_the_reports_of_the_job(runs):
     for rank, path in enumerate(paths):
         assert f"{path}: rank {rank}/2" in proc.stdout
     assert proc.stdout.count("output_layer") == RANKS
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("auto")
+    env = coc_env("auto", COC_MULTI_COPY="auto", COC_TUNE_CACHE="off", COC_REPORT=str(workdir / "coc-{rank}.json"))
+    proc = torchrun(ROOT / "examples" / "pretrain_tiny_gpt.py", MODEL, env, workdir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, [json.loads((workdir / f"coc-{rank}.json").read_text()) for rank in range(RANKS)]
+
+
+def test_auto_counts_the_jobs_calls_and_lists_its_trials_apart(auto_run):
+    # COC_PARALLEL_NUM=auto with COC_MULTI_COPY=auto: the block's trials run the linears on half the batch at
+    # the first step; the counts are the job's calls, one per layer and step, as without auto (issue 33, item 8).
+    proc, reports = auto_run
+    for report in reports:
+        linears = [row for row in report["layers"] if row["class"] in ("ColumnParallelLinear", "RowParallelLinear")]
+        calls: dict = {}
+        for row in linears:
+            calls[row["name"]] = calls.get(row["name"], 0) + row["calls"]
+        assert calls == dict.fromkeys(COLUMNS + ROWS, STEPS), linears
+        for row in linears:
+            if row["reason"] and " for [" in row["reason"]:  # auto's reason names the shape it decided for
+                assert row["reason"].endswith(f" for {row['shape']}"), row
+        assert sum(report["trial_calls"].values()) > 0 and report["trials"], report["trial_calls"]
+        assert sum(row["calls"] for row in report["trials"]) == sum(report["trial_calls"].values())
+    line = next(line for line in proc.stderr.splitlines() if "first step:" in line)
+    routes = line.split("layer calls: ")[1].split(";")[0]
+    assert sum(int(part.split()[0]) for part in routes.split(", ")) == len(COLUMNS + ROWS), line
+    assert "apart from these, auto's trials: " in line, line
