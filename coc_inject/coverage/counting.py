@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from coc_inject import trial
+from coc_inject.trial import active as in_trial
 from coc_inject.routes import COUNTED, AttentionRoute, Chunked, Fused, MegatronPath
 
 
@@ -47,17 +47,7 @@ class Ledger:
         self.records: dict[int, LayerRecord] = {}  # by id() of the live layer
         self._retired: list[LayerRecord] = []
 
-    def count(self, layer, route, input_, shape_of) -> None:
-        record = self.records.get(id(layer))
-        if record is None or record.layer() is not layer:
-            record = self._new_record(layer, input_, shape_of)
-        tally = record.tallies.get(route)
-        if tally is None:  # a route's first call on this layer: its shape, once
-            record.tallies[route] = [1, record.shape if not record.tallies else list(shape_of(layer, input_))]
-        else:
-            tally[0] += 1
-
-    def _new_record(self, layer, input_, shape_of) -> LayerRecord:
+    def new_record(self, layer, input_, shape_of) -> LayerRecord:
         record = LayerRecord(weakref.ref(layer), type(layer).__name__, list(shape_of(layer, input_)))
         previous = self.records.get(id(layer))
         if previous is not None:  # a freed layer's id, reused: keep what it did
@@ -93,7 +83,16 @@ class Counts:
         return self.job.records
 
     def count(self, layer, route, input_, shape_of) -> None:
-        (self.trials if trial.active() else self.job).count(layer, route, input_, shape_of)
+        # One function for both ledgers: this runs on every layer call.
+        ledger = self.trials if in_trial() else self.job
+        record = ledger.records.get(id(layer))
+        if record is None or record.layer() is not layer:
+            record = ledger.new_record(layer, input_, shape_of)
+        tally = record.tallies.get(route)
+        if tally is None:  # a route's first call on this layer: its shape, once
+            record.tallies[route] = [1, record.shape if not record.tallies else list(shape_of(layer, input_))]
+        else:
+            tally[0] += 1
 
     def count_attention(self, layer, route: AttentionRoute) -> None:
         self.count(layer, route, None, _no_shape)
