@@ -21,6 +21,8 @@ CPU_BY_DESIGN = [
     ("bench/cases/layer.py", "build_block", "the layer bench's block runs on CPU ranks (CpuLayerNorm)"),
     ("selftest/linears.py", "_cases", "a seeded CPU generator's scales, moved by .to(device=...) once multiplied"),
     ("selftest/kernels.py", "_truth", "the float64 truth is computed on the CPU (its inputs moved there first)"),
+    ("multi_copy/autograd_check.py", "_run", "the check of torch's autograd runs a tiny graph on the CPU, no collective"),
+    ("multi_copy/autograd_check.py", "_run.inner", "the same check's output gradients, on the CPU"),
 ]
 
 
