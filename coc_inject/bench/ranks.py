@@ -1,6 +1,6 @@
 """Where the ranks of ``coc-inject bench``, ``tune``, ``selftest`` and ``make bench-flash`` run.
 
-A few spawned local CPU processes over gloo (plain loopback, or the emulated link of
+A few local CPU processes over gloo, forked from one server that imported torch once (plain loopback, or the emulated link of
 coc_inject.bench.link), or, under torchrun, this process on its rank's device. A frozen
 :class:`Setup` says where and how; a run's work is ``work(payload, device)`` with a payload of
 its own that the launcher only carries. Megatron's parallel state is initialised here for the
@@ -92,12 +92,26 @@ def _answers(queue, procs) -> list:
     return answers
 
 
-def run_local_ranks(worker, world: int, port: int, *args):
-    """Start ``worker(rank, world, port, *args)`` in ``world`` spawned processes; return the
-    one non-None result (rank 0's). Raises RuntimeError with every failing rank's traceback."""
+def rank_context():
+    """Where local ranks start: forked from one server process that imported torch (and megatron-core,
+    where it is installed) once for this process, not each rank importing them anew (seconds of CPU
+    per rank, per run). The server starts at the first run, with that run's environment."""
+    import importlib.util
+
     import torch.multiprocessing as mp  # torch: only once ranks start
 
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    preload = ["torch", "torch.distributed"]
+    if importlib.util.find_spec("megatron") is not None:
+        preload.append("megatron.core.parallel_state")
+    context.set_forkserver_preload(preload)
+    return context
+
+
+def run_local_ranks(worker, world: int, port: int, *args):
+    """Start ``worker(rank, world, port, *args)`` in ``world`` local processes; return the
+    one non-None result (rank 0's). Raises RuntimeError with every failing rank's traceback."""
+    context = rank_context()
     queue = context.Queue()
     procs = [context.Process(target=_entry, args=(worker, rank, world, port, queue, args))
              for rank in range(world)]
