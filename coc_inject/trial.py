@@ -11,7 +11,8 @@ Every wing's ``auto`` times its candidates on the real layers at a shape's first
   taken off the parameters meanwhile, so any other writer fails loudly instead of adding silently.
   ``.grad``, ``main_grad`` and ``grad_added_to_main_grad`` are put back as they were.
 * **random numbers.** torch's generators (CPU and every accelerator in use) and Megatron's RNG
-  tracker's states, as found: dropout in the job's own call draws what it would have without trials.
+  tracker's states, as found (rng_state.py): dropout in the job's own call draws what it would have
+  without trials.
 
 :func:`active` tells the coverage counters that a call is a trial's, not the job's.
 """
@@ -22,6 +23,8 @@ import contextlib
 
 import torch
 
+from coc_inject import rng_state
+
 # Module flags that make a backward write into main_grad: Megatron's linears, TE's.
 FUSION_FLAGS = ("gradient_accumulation_fusion", "fuse_wgrad_accumulation")
 _MISSING = object()
@@ -31,54 +34,6 @@ _depth = 0
 def active() -> bool:
     """Whether the calling code runs inside a trial."""
     return _depth > 0
-
-
-def _accelerators() -> list:
-    found = []
-    for name in ("cuda", "npu"):
-        module = getattr(torch, name, None)
-        try:
-            if module is not None and module.is_available() and module.is_initialized():
-                found.append(module)
-        except (AttributeError, RuntimeError):  # a half-present backend: not in use
-            continue
-    return found
-
-
-def _tracker():
-    import sys
-
-    random = sys.modules.get("megatron.core.tensor_parallel.random")  # not imported: no tracker to keep
-    tracker = getattr(random, "_CUDA_RNG_STATE_TRACKER", None)
-    return tracker if isinstance(getattr(tracker, "states_", None), dict) else None
-
-
-def save_rng() -> tuple:
-    """torch's generators and Megatron's tracker, as they are (:func:`restore_rng`)."""
-    tracker = _tracker()
-    tracked = None
-    if tracker is not None:
-        # A CUDA-graph-safe tracker holds generators, which change in place: keep their state too.
-        states = {name: (value, value.get_state() if isinstance(value, torch.Generator) else None)
-                  for name, value in tracker.states_.items()}
-        tracked = (states, getattr(tracker, "_current_state_name", _MISSING))
-    devices = [(module, module.get_rng_state()) for module in _accelerators()]
-    return torch.get_rng_state(), devices, tracker, tracked
-
-
-def restore_rng(saved: tuple) -> None:
-    cpu, devices, tracker, tracked = saved
-    torch.set_rng_state(cpu)
-    for module, state in devices:
-        module.set_rng_state(state)
-    if tracker is not None and tracked is not None:
-        states, current = tracked
-        for value, generator_state in states.values():
-            if generator_state is not None:
-                value.set_state(generator_state)
-        tracker.states_ = {name: value for name, (value, _) in states.items()}
-        if current is not _MISSING:
-            tracker._current_state_name = current
 
 
 def _parameters(modules) -> list:
@@ -102,7 +57,7 @@ def isolated(modules=()):
     params = _parameters(modules)
     kept = [(p, p.grad, p.__dict__.get("main_grad", _MISSING), p.__dict__.get("grad_added_to_main_grad", _MISSING))
             for p in params]
-    rng = save_rng()
+    rng = rng_state.save()
     for module, flag, _ in fused:
         setattr(module, flag, False)
     for param, _, main_grad, _ in kept:
@@ -123,4 +78,4 @@ def isolated(modules=()):
                     param.__dict__.pop(name, None)
                 else:
                     setattr(param, name, value)
-        restore_rng(rng)
+        rng_state.restore(rng)

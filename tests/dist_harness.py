@@ -12,6 +12,7 @@ never calls it (a test checks the source).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
@@ -52,6 +53,29 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
         except BaseException:
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def cpu_streams():
+    """Test-only, on a worker: Megatron's DDP (0.17+) orders its communication against torch.cuda's
+    streams; on the CPU there is nothing to order (every stream call does nothing)."""
+    import torch
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __getattr__(self, name):  # wait_stream, wait_event, record_event
+            return lambda *args, **kwargs: None
+
+    saved = {name: getattr(torch.cuda, name) for name in ("Stream", "stream", "current_stream")}
+    torch.cuda.Stream, torch.cuda.stream = Stream, lambda stream: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(torch.cuda, name, value)
 
 
 def reinitialize_model_parallel(**kwargs) -> None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from coc_inject.multi_copy import collectives, cuts, rng, scheduler, segments
+from coc_inject import rng_state
+from coc_inject.multi_copy import collectives, cuts, scheduler, segments
 
 # Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
 # shared by every copy when they hold no batch (rotary embeddings) or refused (plan()).
@@ -143,7 +144,7 @@ class CopiesRunner:
                 return output
             return run
 
-        run = scheduler.CopyRun(self.split.copies, save=rng.save, restore=rng.restore,
+        run = scheduler.CopyRun(self.split.copies, save=rng_state.save, restore=rng_state.restore,
                                 chunk_linears=self.split.chunk_linears)
         run.cuts = self.cuts if grad else None
         try:

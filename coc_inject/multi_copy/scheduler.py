@@ -236,22 +236,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pool.forget)
 
 
-def accelerators() -> list:
-    """The torch device modules (``torch.cuda``, ``torch.npu`` once torch_npu is imported) in use here."""
-    import torch
 
-    found = []
-    for name in ACCELERATORS:
-        module = getattr(torch, name, None)
-        try:
-            if module is not None and module.is_available() and module.is_initialized():
-                found.append((name, module))
-        except (AttributeError, RuntimeError):  # a half-present backend: not in use
-            continue
-    return found
-
-
-ACCELERATORS = ("cuda", "npu")
 
 
 class ThreadContext:
@@ -261,6 +246,8 @@ class ThreadContext:
 
     def __init__(self):
         import torch
+
+        from coc_inject.rng_state import accelerators
 
         self.grad = torch.is_grad_enabled()
         self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -24,32 +24,12 @@ import torch
 import torch.distributed as dist
 
 from tests.context_parallel import cp_gpt_cases
+from tests.dist_harness import cpu_streams
 from tests.fakes import fused_wgrad
 from tests.moe import moe_cases
 
 LR = 0.5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@contextlib.contextmanager
-def _cpu_streams():
-    """Test-only: Megatron's DDP (0.17+) orders its communication against torch.cuda's streams."""
-
-    class Stream:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __getattr__(self, name):  # wait_stream, wait_event, record_event: nothing to order on CPU
-            return lambda *args, **kwargs: None
-
-    saved = {name: getattr(torch.cuda, name) for name in ("Stream", "stream", "current_stream")}
-    torch.cuda.Stream, torch.cuda.stream = Stream, lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(torch.cuda, name, value)
 
 
 class TrialWatch:
@@ -176,7 +156,7 @@ def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp:
 
     from coc_inject import job
 
-    with _cpu_streams(), fused_wgrad.installed(), contextlib.ExitStack() as undo:
+    with cpu_streams(), fused_wgrad.installed(), contextlib.ExitStack() as undo:
         undo.callback(job.uninstall)
         _install(coc, tp, cp, ep)
         model = _model(kind, tp, cp, ep, DTYPES[dtype], seq, vocab)

@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from launch import RANKS, SITE, clean_env, torchrun  # noqa: E402
-from scope import newest_only  # noqa: E402
+from scope import OLDER_RELEASE, newest_only  # noqa: E402
 
 SCRIPT = ROOT / "examples" / "tp_mlp.py"
 
@@ -28,8 +28,9 @@ def launch(workdir, name, env, *script_args):
 
 ROWS = 13 * 2
 # 1 = off (nothing patched), 3 (26 rows: uneven chunks; run at debug level), 4 (the banner). Every
-# chunk count is checked against Megatron per layer in the layer suites; each launch here costs ~8 s.
-CHUNK_COUNTS = [1, 3, 4]
+# chunk count is checked against Megatron per layer in the layer suites; each launch here costs ~8 s:
+# the older releases run the uneven one (the banner and N=1 are coc-inject's own, tested on the newest).
+CHUNK_COUNTS = [3] if OLDER_RELEASE else [1, 3, 4]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,7 @@ def test_forward_really_chunked(runs, chunks):
         assert coc[rank]["backward_collectives"] == reference[rank]["backward_collectives"]
 
 
+@newest_only  # the launches with N=4 and N=1 run on the newest release only
 def test_banner_once_from_rank_zero(runs):
     stderr = runs[4][0].stderr
     banners = [line for line in stderr.splitlines() if "CoC installed" in line]

@@ -17,7 +17,7 @@ from coc_inject.multi_copy import collectives as copies_collectives
 from coc_inject.multi_copy import scheduler as copies_scheduler
 from coc_inject.multi_copy.cuts import KINDS
 from tests.context_parallel import cp_gpt_cases
-from tests.dist_harness import reinitialize_model_parallel
+from tests.dist_harness import cpu_streams, reinitialize_model_parallel
 
 RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
             "_reduce_scatter_base", "all_gather", "all_to_all_single", "batch_isend_irecv", "broadcast")
@@ -330,16 +330,8 @@ def train_ddp(copies=2, steps=2, b=4, seq=32):
     from coc_inject import job
     from coc_inject.config import CocConfig
 
-    class _Stream:  # test-only: Megatron's DDP (0.17+) syncs its communication stream with torch.cuda's
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __getattr__(self, name):  # wait_stream, wait_event, record_event: nothing to order on CPU
-            return lambda *args, **kwargs: None
-
-    cuda = {name: getattr(torch.cuda, name) for name in ("Stream", "stream", "current_stream")}
-    torch.cuda.Stream, torch.cuda.stream = _Stream, lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    streams = cpu_streams()
+    streams.__enter__()
     cp_gpt_cases.setup(2, 1)
     if copies != 1:
         copies_install.install(CocConfig(multi_copy=copies), transformer_block)
@@ -365,6 +357,5 @@ def train_ddp(copies=2, steps=2, b=4, seq=32):
                          if type(m).__name__ == "TransformerBlock"})
     finally:
         job.uninstall()
-        for name, value in cuda.items():
-            setattr(torch.cuda, name, value)
+        streams.__exit__(None, None, None)
     return {"losses": losses, "grads": grads, "routes": routes}

@@ -99,7 +99,7 @@ def _copies_in_child():
 
 
 def test_copies_see_their_own_rng_state_and_the_caller_goes_on_from_copy_0s():
-    from coc_inject.multi_copy import rng
+    from coc_inject import rng_state as rng
 
     torch.manual_seed(0)
     start = torch.get_rng_state()
@@ -266,7 +266,7 @@ class FakeNpu:
 def test_copies_carry_the_npu_device_stream_and_rng_state_as_cudas(monkeypatch):
     """Each copy thread runs on its caller's NPU device and stream (not device 0's default stream)
     and keeps its own NPU generator state between its turns; the caller goes on from copy 0's."""
-    from coc_inject.multi_copy import rng
+    from coc_inject import rng_state as rng
 
     npu = FakeNpu()
     monkeypatch.setattr(torch, "npu", npu, raising=False)
