@@ -41,7 +41,7 @@ def pads(k: int, itemsize: int, k_min: int, k_max: int) -> bool:
 def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[...] = a @ b`` for 2-D ``a``/``out``, or 3-D ``[TP, c, h]`` chunk views with any
     rank stride: one plain matmul per rank slab (each slab is contiguous), which beats a
-    broadcast ``bmm`` (pinned 1-thread CPU: 19 vs 25 ms for [2, 512, 1024] x [1024, 1024])."""
+    broadcast ``bmm`` on the CPU (benchmarks/RESULTS.md)."""
     if a.dim() == 2:
         return torch.matmul(a, b, out=out)
     for a_slab, out_slab in zip(a, out):
