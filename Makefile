@@ -117,7 +117,8 @@ device-check:
 
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
 # requirements when $(2) skips them) + this package (a regular, non-editable install:
-# setuptools' editable finder would add ~20 ms to every interpreter start in the venv).
+# setuptools' editable finder would add ~20 ms to every interpreter start in the venv; built with
+# the venv's own setuptools, no isolated build environment made for it each time).
 # This package does not depend on megatron-core (only its [megatron] extra does), so installing
 # it never changes the megatron-core installed here first.
 define make_venv
@@ -125,7 +126,7 @@ define make_venv
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(2)
 	$(if $(3),$(1)/bin/python -m pip install -q --disable-pip-version-check $(3))
-	$(1)/bin/python -m pip install -q --disable-pip-version-check ".[test,bench]"
+	$(1)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation ".[test,bench]"
 	rm -rf build coc_inject.egg-info
 	touch $(1)/.installed
 endef

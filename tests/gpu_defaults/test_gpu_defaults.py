@@ -75,11 +75,6 @@ def test_bf16_copies_and_chunks_within_the_bf16_bound(pool):
     assert_same(got, reference(pool, dtype="bf16", steps=4), "bf16", trials=False)
 
 
-@pytest.mark.parametrize("wing", [{"parallel_num": AUTO}, {"multi_copy": AUTO}])
-def test_each_dense_wing_alone_on_auto(pool, wing):
-    assert_same(train(pool, coc=wing), reference(pool), "fp32")
-
-
 def test_context_parallel_auto_trains_as_ring(pool):
     """TP 2 x CP 2 with every dense wing on auto against CoC's ring alone (Megatron's local attention
     has no context parallelism to compare with)."""

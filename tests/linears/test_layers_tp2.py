@@ -7,6 +7,7 @@ seq=14, batch=2 gives B=14 (SP) / m=28 (no SP): divisible by neither 3, 4 nor 8.
 import pytest
 
 from layer_checks import BF16_BOUND, CASE_IDS, CASES, check_results, coc_counts
+from scope import newest_only
 
 TP = 2
 
@@ -134,6 +135,7 @@ def test_mlp_training_loss_sequence_matches(pool2, sp):
             assert abs(coc - reference) <= 1e-5 * max(1.0, abs(reference))
 
 
+@newest_only  # torch.compile's handling of the patched forward: torch's, the same on every Megatron release
 @pytest.mark.parametrize("kind,sp", [("row", False), ("row", True), ("column", True), ("column", False)],
                          ids=CASE_IDS)
 def test_torch_compile_still_runs_coc(pool2, kind, sp):
