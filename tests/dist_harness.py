@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import traceback
 
-from coc_inject.bench.ranks import free_port, without_coc_variables
+from coc_inject.bench.ranks import free_port, rank_context, without_coc_variables
 
 
 def _resolve(path: str):
@@ -92,25 +92,12 @@ def reinitialize_model_parallel(**kwargs) -> None:
     parallel_state.initialize_model_parallel(**kwargs)
 
 
-# What every worker imports before it joins its group, imported once in the fork server that starts
-# them all: a pool starts in a fraction of a second instead of each rank importing megatron.core
-# (seconds of CPU each, on 2 cores). Nothing else runs in the server: no thread, no device, no group.
-PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.tensor_parallel",
-           "coc_inject.bench.ranks"]
-
-
-def _context():
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
-
-
 class RankPool:
     def __init__(self, world_size: int, timeout: float = 180.0):
         self.world_size = world_size
         self.broken = None
         self.timeout = timeout
-        context = _context()
+        context = rank_context()  # the product's: one fork server for the bench's ranks and these
         port = free_port()
         self.conns, self.procs = [], []
         with without_coc_variables():  # workers start with CoC off; tests install configs explicitly

@@ -103,8 +103,8 @@ def rank_context():
     context = mp.get_context("forkserver")
     preload = ["torch", "torch.distributed"]
     if importlib.util.find_spec("megatron") is not None:
-        preload.append("megatron.core.parallel_state")
-    context.set_forkserver_preload(preload)
+        preload += ["megatron.core.parallel_state", "megatron.core.tensor_parallel"]
+    context.set_forkserver_preload(preload)  # takes effect only before the server's first start
     return context
 
 

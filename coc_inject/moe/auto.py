@@ -6,7 +6,7 @@ place of that first call: Megatron's dispatch / experts / combine (the baseline)
 each chunk count, forward and backward on detached copies of the call's permuted rows, gradients
 taken with ``torch.autograd.grad`` inside ``coc_inject.trial.isolated`` so that no parameter gradient
 is touched; timings MAX-reduced
-over the EP group; pieces win only beyond the noise. Cached in ``COC_TUNE_CACHE``.
+over the expert TP x EP group; pieces win only beyond the noise. Cached in ``COC_TUNE_CACHE``.
 """
 
 from __future__ import annotations
@@ -73,5 +73,5 @@ def choose(tuner, key: MoEKey, group, tokens, probs, run_megatron, run_pieces, e
             if backward:
                 torch.autograd.grad(out, inputs, torch.ones_like(out))
 
-    return tuner.decide(key, group, tokens.device, [MEGATRON, *CHUNKS], MEGATRON, trial, group_name="EP",
-                        touches=(experts,))
+    return tuner.decide(key, group, tokens.device, [MEGATRON, *CHUNKS], MEGATRON, trial,
+                        group_name="EP" if group.size() == key.ep else "expert TPxEP", touches=(experts,))

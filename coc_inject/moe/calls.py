@@ -67,8 +67,11 @@ class MoECall:
         """Dispatch, experts and combine of the deferred rows: the combined rows in the dispatcher's
         permuted order (auto decides here at a shape's first call)."""
         if self.chunks == DECIDING:
+            # Decided over expert TP x EP, not EP alone: with expert TP the pieces' collectives also run
+            # over the expert-TP group, so every rank of it must make the same choice.
+            group = getattr(self.dispatcher, "tp_ep_group", None) or self.dispatcher.ep_group
             self.chunks = auto.choose(
-                self.installation.tuner(MOE), self.key, self.dispatcher.ep_group, tokens, probs,
+                self.installation.tuner(MOE), self.key, group, tokens, probs,
                 lambda t, p: self.megatron_middle(self, t, p),
                 lambda t, p, chunks: self.pieces(t, p, chunks, accumulate=False), self.experts)
         if self.chunks == auto.MEGATRON:

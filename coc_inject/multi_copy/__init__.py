@@ -4,9 +4,10 @@ and backward.
 
 install (the hook and its patches) -> block (a call: split, the copies, join; their backward in
 one autograd node). The forward: scheduler (the baton: copies on threads take turns where they
-would wait for the network) <- collectives (torch.distributed's waits become hand-overs); rng
-(each copy's RNG state). The backward, from autograd's one thread: cuts (the forward marks where a
+would wait for the network) <- collectives (torch.distributed's waits become hand-overs); each
+copy's RNG state is kept by coc_inject.rng_state. The backward, from autograd's one thread: cuts (the forward marks where a
 copy's backward can stop with its collective in flight) -> segments (each copy's graph cut into
 segments, the copies' nodes renumbered into bands that autograd's ready queue runs in a fixed
-interleave). auto (COC_MULTI_COPY=auto's trials).
+interleave); autograd_check (torch's autograd behaves as the bands assume: checked once). auto
+(COC_MULTI_COPY=auto's trials).
 """

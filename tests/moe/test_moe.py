@@ -97,6 +97,15 @@ def test_auto_gives_the_layer_back_to_megatron_when_one_ranks_pieces_are_slow(po
     assert all(r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0 for r in results)
 
 
+def test_auto_with_expert_tensor_parallelism_decides_alike_across_the_expert_tp_group(pool):
+    """EP 2 x expert TP 2 on 4 ranks: the pieces also run collectives over the expert-TP group, so the
+    decision is agreed over expert TP x EP, not per EP group (one rank's slow trials decide for all 4)."""
+    results = pool.run("tests.moe.moe_cases:auto_case", slow_ranks=(1,), ep=2, experts=4, etp=2)
+    assert all(r["decisions"] == results[0]["decisions"] for r in results), [r["decisions"] for r in results]
+    assert all(r["decisions"][0][1] == "megatron" for r in results), [r["decisions"] for r in results]
+    assert all(r["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for r in results)
+
+
 _references: dict = {}
 
 
