@@ -41,6 +41,9 @@ class Setup:
     megatron: bool = True
     command: str = "coc-inject bench"
     device_variable: str = "COC_BENCH_DEVICE"  # under torchrun, "npu" in it picks the Ascend NPU
+    # Local ranks spawned anew instead of forked from the server: a memory measurement inherits no
+    # page of the server's (a forked rank's resident set starts from the server's).
+    fresh: bool = False
 
 
 def under_torchrun() -> bool:
@@ -108,10 +111,16 @@ def rank_context():
     return context
 
 
-def run_local_ranks(worker, world: int, port: int, *args):
-    """Start ``worker(rank, world, port, *args)`` in ``world`` local processes; return the
-    one non-None result (rank 0's). Raises RuntimeError with every failing rank's traceback."""
-    context = rank_context()
+def run_local_ranks(worker, world: int, port: int, *args, fresh: bool = False):
+    """Start ``worker(rank, world, port, *args)`` in ``world`` local processes (``fresh``: spawned
+    anew, not forked from the server); return the one non-None result (rank 0's). Raises
+    RuntimeError with every failing rank's traceback."""
+    if fresh:
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+    else:
+        context = rank_context()
     queue = context.Queue()
     procs = [context.Process(target=_entry, args=(worker, rank, world, port, queue, args))
              for rank in range(world)]
@@ -193,8 +202,10 @@ def run_local(setup: Setup, work, payload):
         with without_coc_variables():  # each run installs what it measures itself
             if setup.link:
                 with link_module.EmulatedLink(setup.link) as link:
-                    return run_local_ranks(_local_rank, setup.world, LINK_PORT, setup, link.names, work, payload)
-            return run_local_ranks(_local_rank, setup.world, free_port(), setup, None, work, payload)
+                    return run_local_ranks(_local_rank, setup.world, LINK_PORT, setup, link.names, work, payload,
+                                           fresh=setup.fresh)
+            return run_local_ranks(_local_rank, setup.world, free_port(), setup, None, work, payload,
+                                   fresh=setup.fresh)
     except RuntimeError as error:
         raise SystemExit(f"{setup.command} failed:\n{error}") from None
 

@@ -140,7 +140,8 @@ def ring_rank(args, device) -> dict | None:
 def _run(args, **overrides) -> dict:
     """ring_rank on two local ranks, with ``args`` and ``overrides`` (a new namespace: ``args`` stays as it is)."""
     work = argparse.Namespace(**{**vars(args), **overrides})
-    return ranks.run_local(ranks.Setup(threads=work.threads, megatron=False, command=TAG), ring_rank, work)
+    return ranks.run_local(ranks.Setup(threads=work.threads, megatron=False, command=TAG,
+                                       fresh=work.measure == "memory"), ring_rank, work)
 
 
 def main(argv=None) -> int:
