@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from megatron_lm_moe import checkout_dir, losses  # noqa: E402
+from megatron_lm_moe import checkout_dir, losses, run_logged  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WRAPPER = ROOT / "benchmarks" / "megatron_lm" / "run_pretrain.py"
@@ -54,8 +54,6 @@ MODELS = {
 
 
 def run(name: str, checkout: Path, out: Path, arguments: list, coc: dict | None) -> str:
-    import subprocess
-
     env = {k: v for k, v in os.environ.items() if not k.startswith("COC_")}
     env["PYTHONPATH"] = os.pathsep.join(([str(ROOT / "sitecustomize")] if coc else []) + [str(checkout)])
     env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what Megatron asks of a GPU job with TP (its argument checks)
@@ -63,16 +61,8 @@ def run(name: str, checkout: Path, out: Path, arguments: list, coc: dict | None)
         env.update(coc, COC_TUNE_CACHE="off", COC_REPORT=str(out / f"{name}-report-{{rank}}.json"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                str(WRAPPER), str(checkout / "pretrain_gpt.py"), *arguments]
-    log = out / f"{name}.log"
-    print(f"{name}: " + (" ".join(f"{k}={v}" for k, v in coc.items()) if coc else "coc-inject off") + f" -> {log}",
-          flush=True)
-    with open(log, "w") as file:
-        code = subprocess.run(command, env=env, cwd=out, stdout=file, stderr=subprocess.STDOUT, timeout=900).returncode
-    text = log.read_text(errors="replace")
-    if code != 0:
-        print("\n".join(text.splitlines()[-40:]))
-        sys.exit(f"error: the {name} run failed (exit {code}); log: {log}")
-    return text
+    said = " ".join(f"{k}={v}" for k, v in coc.items()) if coc else "coc-inject off"
+    return run_logged(name, command, env, out, said)
 
 
 def compare(model: str, off_text: str, on_text: str, iters: int) -> bool:

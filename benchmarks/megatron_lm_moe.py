@@ -76,9 +76,13 @@ def run(name: str, checkout: Path, out: Path, iters: int, coc: bool) -> str:
         env.update(COC_MOE_OVERLAP="1", COC_REPORT=str(out / f"{name}-report-{{rank}}.json"))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                str(WRAPPER), str(checkout / "pretrain_gpt.py"), *model_args(iters)]
+    return run_logged(name, command, env, out, f"PYTHONPATH={env['PYTHONPATH']}" + (" COC_MOE_OVERLAP=1" if coc else ""))
+
+
+def run_logged(name: str, command: list, env: dict, out: Path, said: str) -> str:
+    """``command`` in ``out``, its output in ``out/<name>.log``; the log's text, or exit naming the run."""
     log = out / f"{name}.log"
-    print(f"{name}: PYTHONPATH={env['PYTHONPATH']}" + (" COC_MOE_OVERLAP=1" if coc else "") + f" -> {log}",
-          flush=True)
+    print(f"{name}: {said} -> {log}", flush=True)
     with open(log, "w") as file:
         code = subprocess.run(command, env=env, cwd=out, stdout=file, stderr=subprocess.STDOUT, timeout=900).returncode
     text = log.read_text(errors="replace")
