@@ -98,17 +98,49 @@ def _answers(queue, procs) -> list:
 def rank_context():
     """Where local ranks start: forked from one server process that imported torch (and megatron-core,
     where it is installed) once for this process, not each rank importing them anew (seconds of CPU
-    per rank, per run). The server starts at the first run, with that run's environment."""
+    per rank, per run). The server starts at the first run, with that run's environment.
+
+    Where an accelerator is visible, the ranks are spawned instead: importing megatron-core there can
+    initialise CUDA in the server, and a rank forked from it then fails at its first CUDA call
+    ("Cannot re-initialize CUDA in forked subprocess"; seen on an H200 with torch 2.11)."""
     import importlib.util
 
     import torch.multiprocessing as mp  # torch: only once ranks start
 
+    if accelerator_visible():
+        return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     preload = ["torch", "torch.distributed"]
     if importlib.util.find_spec("megatron") is not None:
         preload += ["megatron.core.parallel_state", "megatron.core.tensor_parallel"]
     context.set_forkserver_preload(preload)  # takes effect only before the server's first start
     return context
+
+
+def accelerator_visible() -> bool:
+    """A CUDA or NPU device is present (asked without initialising either in this process)."""
+    import torch
+
+    npu = getattr(torch, "npu", None)
+    return torch.cuda.is_available() or bool(npu is not None and npu.is_available())
+
+
+@contextmanager
+def _accelerators_hidden():
+    """Local ranks are CPU ranks: on a GPU host they start with no CUDA device visible, so that torch
+    (dynamo's device checks among them) never reaches the GPU through Megatron's CPU shims."""
+    if not accelerator_visible():
+        yield
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def run_local_ranks(worker, world: int, port: int, *args, fresh: bool = False):
@@ -124,8 +156,9 @@ def run_local_ranks(worker, world: int, port: int, *args, fresh: bool = False):
     queue = context.Queue()
     procs = [context.Process(target=_entry, args=(worker, rank, world, port, queue, args))
              for rank in range(world)]
-    for proc in procs:
-        proc.start()
+    with _accelerators_hidden():
+        for proc in procs:
+            proc.start()
     answers = _answers(queue, procs)
     for proc in procs:
         proc.join()

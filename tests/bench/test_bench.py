@@ -218,3 +218,33 @@ def test_a_rank_that_dies_without_answering_stops_the_run_with_its_exit_code():
 
     with pytest.raises(RuntimeError, match="rank 1 exit code 3"):
         ranks.run_local_ranks(_dies_on_rank_1, 2, ranks.free_port())
+
+
+@pytest.mark.parametrize("cuda, method", [(False, "forkserver"), (True, "spawn")])
+def test_local_ranks_are_spawned_where_an_accelerator_is_visible(monkeypatch, cuda, method):
+    """A fork server that imported megatron-core may have initialised CUDA: its forked ranks then fail
+    at their first CUDA call (seen on an H200), so with a device the ranks are spawned."""
+    import torch
+
+    from coc_inject.bench import ranks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert ranks.rank_context().get_start_method() == method
+
+
+def test_local_ranks_start_with_no_cuda_device_where_one_is_visible(monkeypatch):
+    """The ranks are CPU ranks: with CUDA hidden, torch's own device checks (dynamo's, in Megatron's
+    compiled router) never meet Megatron's CPU shims (a TypeError on an H200 before)."""
+    import torch
+
+    from coc_inject.bench import ranks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    seen = ranks.run_local_ranks(_visible_devices, 2, ranks.free_port())
+    assert seen == ""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+
+
+def _visible_devices(rank, world, port):
+    return os.environ.get("CUDA_VISIBLE_DEVICES") if rank == 0 else None
