@@ -63,7 +63,7 @@ def measure_forward(reps: int, calls: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
 
     torch.set_num_threads(1)
@@ -78,8 +78,8 @@ def measure_forward(reps: int, calls: int) -> dict:
                                      gradient_accumulation_fusion=False)
         layer = ColumnParallelLinear(8, 8, config=config, init_method=torch.nn.init.zeros_, bias=False)
         x = torch.zeros(4, 1, 8)
-        assert patching.install(CocConfig(parallel_num=4))
-        engine = patching.engine()
+        assert linears.install(CocConfig(parallel_num=4))
+        engine = linears.engine()
         coverage_on = engine.coverage
         with torch.no_grad():
             layer(x)
@@ -94,7 +94,7 @@ def measure_forward(reps: int, calls: int) -> dict:
         assert counted == 1 + reps * calls, counted  # the accounting really ran on every call
         return _summary(with_accounting, without)
     finally:
-        patching.uninstall()
+        linears.uninstall()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 

@@ -8,9 +8,9 @@ no wrapt here. Heavy entry points are resolved lazily on first attribute access.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "install": ("coc_inject.patching", "install"),
-    "uninstall": ("coc_inject.patching", "uninstall"),
-    "is_installed": ("coc_inject.patching", "is_installed"),
+    "install": ("coc_inject.linears.install", "install"),
+    "uninstall": ("coc_inject.linears.install", "uninstall"),
+    "is_installed": ("coc_inject.linears.install", "is_installed"),
     "CocConfig": ("coc_inject.config", "CocConfig"),
     "ConfigError": ("coc_inject.config", "ConfigError"),
     "load_config": ("coc_inject.config", "load_config"),

@@ -6,7 +6,7 @@ is stdlib-only (``os``, ``sys``) and does nothing heavy. When CoC is requested i
 tiny finder at the front of ``sys.meta_path`` that reacts only to the top-level name
 ``megatron``. The first time Megatron is imported, the finder imports wrapt (100+ ms with
 wrapt 2.x, so only processes that really import Megatron pay for it) and registers the
-post-import hook ``coc_inject.patching:on_layers_imported`` on
+post-import hook ``coc_inject.linears.install:on_layers_imported`` on
 ``megatron.core.tensor_parallel.layers``; the finder then returns ``None`` so the normal
 import proceeds untouched. Whether requested or not, a set ``COC_*`` name it does not know
 (``COC_PARALLEL_NUMS``) gets one warning on rank 0 naming the closest known one.
@@ -15,7 +15,7 @@ import proceeds untouched. Whether requested or not, a set ``COC_*`` name it doe
 import os
 import sys
 
-HOOK = "coc_inject.patching:on_layers_imported"
+HOOK = "coc_inject.linears.install:on_layers_imported"
 TARGET = "megatron.core.tensor_parallel.layers"
 # Context parallelism: the local attention, and where the process groups are made.
 WING_HOOKS = (

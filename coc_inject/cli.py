@@ -125,7 +125,7 @@ def cmd_status(args) -> int:
     errors = config_module.validate_all()
     allow_untested = not errors and config_module.load_config().allow_untested_megatron
     print(megatron_report(megatron_version.importable(), allow_untested))
-    from coc_inject.fused import registry
+    from coc_inject.linears.fused import registry
 
     for name, why_not in registry.status().items():
         print(f"fused {name:<11} : {'usable' if why_not is None else 'not usable: ' + why_not}")
@@ -142,7 +142,7 @@ def cmd_status(args) -> int:
     if unknown:
         print(f"  warning: unknown variables (typo?): {', '.join(unknown)}")
 
-    from coc_inject.linear_adapters import CASES
+    from coc_inject.linears.adapters import CASES
 
     print("cases handled     :")
     for case in CASES:
@@ -183,7 +183,7 @@ def megatron_report(megatron, allow_untested: bool) -> str:
     """The megatron-core lines of ``status`` for a :class:`coc_inject.megatron_version.Megatron`
     (None: not importable): version, where it comes from, tested / untested / unsupported, guards."""
     from coc_inject import megatron_version as mv
-    from coc_inject.linear_guards import GUARDS
+    from coc_inject.linears.guards import GUARDS
 
     if megatron is None:
         return "megatron-core     : not found (import megatron.core would fail on this sys.path)"

@@ -98,7 +98,7 @@ class Installation:
     def __init__(self, config):
         self.config = config
         self.patches = Patches()
-        self.engine = None  # the linears' patching.Linears, when they are patched
+        self.engine = None  # the linears' forward.Linears, when they are patched
         self.tuners: dict = {}  # wing -> tuning.Tuner, made at the wing's first auto call
         self.patched_forwards: dict = {}  # linear class -> the forward put there (the coverage checks it)
         self.coverage = None  # made by the first hook that counts calls, armed once

@@ -13,16 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
-    """(start, length) of ``chunks`` row blocks covering ``rows``; lengths differ by at most one."""
-    base, extra = divmod(rows, chunks)
-    bounds, start = [], 0
-    for c in range(chunks):
-        length = base + (1 if c < extra else 0)
-        bounds.append((start, length))
-        start += length
-    return bounds
+from coc_inject.pipeline.layout import chunk_bounds
 
 
 @dataclass(frozen=True)
@@ -51,10 +42,16 @@ def pieces(local_counts: list, global_counts: list, local_experts: int, chunks: 
         offsets.append(offsets[-1] + count)
     result = []
     for j in range(local_experts):
-        sent = [chunk_bounds(local_counts[r * local_experts + j], chunks) for r in range(ep)]
-        received = [[chunk_bounds(per_rank[s][j], chunks) for s in range(ep)] for per_rank in global_counts]
+        sent = [_lengths(local_counts[r * local_experts + j], chunks) for r in range(ep)]
+        received = [[_lengths(per_rank[s][j], chunks) for s in range(ep)] for per_rank in global_counts]
         for c in range(chunks):
             ranges = tuple((offsets[r * local_experts + j] + sent[r][c][0], sent[r][c][1]) for r in range(ep))
             tp_sizes = tuple(sum(bounds[s][c][1] for s in range(ep)) for bounds in received)
             result.append(Piece(j, c, ranges, tuple(received[tp_rank][s][c][1] for s in range(ep)), tp_sizes))
     return result
+
+
+def _lengths(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """(start, length) of exactly ``chunks`` row blocks of ``rows`` (empty ones too: every rank issues
+    every piece)."""
+    return [(start, stop - start) for start, stop in chunk_bounds(rows, chunks, every_chunk=True)]

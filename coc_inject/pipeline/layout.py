@@ -27,12 +27,15 @@ def effective_chunks(length: int, requested: int) -> int:
     return max(1, min(requested, length))
 
 
-def chunk_bounds(length: int, requested: int) -> list[tuple[int, int]]:
+def chunk_bounds(length: int, requested: int, *, every_chunk: bool = False) -> list[tuple[int, int]]:
     """Contiguous ``(start, stop)`` ranges covering ``[0, length)`` exactly once, in order.
 
-    Sizes follow ``torch.tensor_split``: they differ by at most one, larger ones first.
+    Sizes follow ``torch.tensor_split``: they differ by at most one, larger ones first. With
+    ``every_chunk`` there are exactly ``requested`` ranges, empty ones included (a piece that every
+    rank must issue whatever its row count, as the MoE pieces' collectives); else never more ranges
+    than rows.
     """
-    count = effective_chunks(length, requested)
+    count = requested if every_chunk and requested >= 1 else effective_chunks(length, requested)
     base, extra = divmod(length, count)
     bounds = []
     start = 0

@@ -1,5 +1,5 @@
 """The CoC linears: every available backend (the chunked pipeline at each --chunks, the fused
-kernels of coc_inject.fused: Ascend ATB lcoc, torch_npu MC2, CUDA symmetric memory) against the
+kernels of coc_inject.linears.fused: Ascend ATB lcoc, torch_npu MC2, CUDA symmetric memory) against the
 unfused result -- the matmul, then the collective, as Megatron does it -- on the same inputs."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def _cases(m, k, n, dtype, device, group):
     import torch
     import torch.distributed as dist
 
-    from coc_inject import ops
+    from coc_inject.linears import ops
 
     world, rank = group.size(), dist.get_rank(group)
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -60,7 +60,7 @@ def _cases(m, k, n, dtype, device, group):
 def run(ctx) -> list:
     import torch
 
-    from coc_inject.fused import registry
+    from coc_inject.linears.fused import registry
 
     m, k, n = ctx.options.shape
     if ctx.world < 2:

@@ -66,7 +66,7 @@ class Setting:
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# Kept in step with coc_inject.fused.registry.CHOICES (a test checks); this module stays torch-free.
+# Kept in step with coc_inject.linears.fused.registry.CHOICES (a test checks); this module stays torch-free.
 FUSED_BACKENDS = ("auto", "chunked", "atb", "mc2", "symm_mem")
 # Context parallelism on Megatron's local attention (coc_inject.context_parallel).
 CP_ALGOS = ("ring", "ulysses", "hybrid", "allgather", "megatron", "auto")

@@ -37,7 +37,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from coc_inject import job, log, patching
+from coc_inject import job, log
+from coc_inject.linears import install as linears
 from coc_inject.bench import ranks
 from coc_inject.tuning import offline_attention as tune_attention, offline_moe, offline_report as tune_report
 from coc_inject.bench.ranks import Setup
@@ -345,7 +346,7 @@ def _tune_linears(plan, dtype, device) -> dict:
     from coc_inject.bench.cases import linears as layers
     from coc_inject.tuning.online import hardware_identity
 
-    patching.install(plan.config)
+    linears.install(plan.config)
     try:
         seen = set()
         for target in plan.targets:
@@ -359,7 +360,7 @@ def _tune_linears(plan, dtype, device) -> dict:
             del layer, x, out
         decisions = dict(job.current().decisions(job.LINEARS))
     finally:
-        patching.uninstall()
+        linears.uninstall()
     return {"decisions": decisions, "identity": hardware_identity(device, group)}
 
 

@@ -38,11 +38,12 @@ class Block(torch.nn.Module):
 def one_step(*, sequence_parallel=True, te=False, replace_row_forward=False, config_options=None, steps=1):
     """Build Model(decoder.layers.0 = Block), install CoC, train ``steps`` steps; returns the log
     lines at INFO and above and the coverage report."""
-    from coc_inject import job, log, patching
+    from coc_inject import job, log
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
-    patching.uninstall()
+    linears.uninstall()
     te_layers = []
     if te:
         from fakes import te_layers as fake
@@ -65,12 +66,12 @@ def one_step(*, sequence_parallel=True, te=False, replace_row_forward=False, con
     handler.setLevel(logging.INFO)
     log.configure("info")
     log.logger.addHandler(handler)
-    assert patching.install(CocConfig(**{"parallel_num": 2, **(config_options or {})}))
+    assert linears.install(CocConfig(**{"parallel_num": 2, **(config_options or {})}))
     try:
         if replace_row_forward:
             _MEGATRON_ROW_FORWARD[:] = [job.current().patches.original(RowParallelLinear, "forward")]
             RowParallelLinear.forward = other_patch
-        coverage = patching.engine().coverage
+        coverage = linears.engine().coverage
         for _ in range(steps):
             optimizer.zero_grad()
             block(x).pow(2).mean().backward()
@@ -78,6 +79,6 @@ def one_step(*, sequence_parallel=True, te=False, replace_row_forward=False, con
         report = coverage.report()
         summary_lines = coverage.summary_line(), coverage.warnings()
     finally:
-        patching.uninstall()
+        linears.uninstall()
         log.logger.removeHandler(handler)
     return {"log": stream.getvalue().splitlines(), "report": report, "summary": summary_lines}

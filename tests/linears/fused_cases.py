@@ -11,7 +11,7 @@ FAKES = str(Path(__file__).resolve().parents[1] / "fakes")
 def use_fakes(enabled: bool = True, symm_mem: bool = False):
     """Put the fake torch_atb and torch_npu on sys.path (or take them off), register the fake CPU
     symm_mem kernels if ``symm_mem`` (else remove them); clear their records."""
-    from coc_inject.fused import registry
+    from coc_inject.linears.fused import registry
 
     if FAKES not in sys.path:
         sys.path.insert(0, FAKES)

@@ -21,19 +21,20 @@ from layer_cases import build_layer, grad_for, make_input, relative_error
 @contextlib.contextmanager
 def _coc_installed(**options):
     """coc-inject installed with ``options``; yields the log text list and the engine."""
-    from coc_inject import log, patching
+    from coc_inject import log
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     log.configure("debug")
     log.logger.addHandler(handler)
-    assert patching.install(CocConfig(**{"parallel_num": 3, **options}))
+    assert linears.install(CocConfig(**{"parallel_num": 3, **options}))
     said = []
     try:
-        yield said, patching.engine()
+        yield said, linears.engine()
     finally:
-        patching.uninstall()
+        linears.uninstall()
         log.logger.removeHandler(handler)
         log.configure("info")
         said.append(stream.getvalue())
@@ -58,9 +59,9 @@ def unpatched_and_coc(layer, x, *, calls_twice=True, prepare=None, read_back=Non
                       **forward_kwargs):
     """Megatron's own forward, then CoC's (twice: a reason must be said once): both results,
     CoC's call count and log text."""
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
 
-    patching.uninstall()
+    linears.uninstall()
     reference = _forward_backward(layer, x, prepare, read_back, **forward_kwargs)
     with _coc_installed(**(coc_options or {})) as (said, engine):
         coc = _forward_backward(layer, x, prepare, read_back, **forward_kwargs)

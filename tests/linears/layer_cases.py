@@ -125,10 +125,11 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
     import io
     import logging
 
-    from coc_inject import log, patching
+    from coc_inject import log
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
 
-    patching.uninstall()
+    linears.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=bias,
                         skip_bias_add=skip_bias_add, dtype=dtype, hidden=hidden, ffn=ffn,
                         **(layer_options or {}))
@@ -136,7 +137,7 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
     reference, ref_fwd, ref_bwd = run_layer(layer, x, forward_kwargs)
     config = CocConfig(**{"parallel_num": chunks, "recompute_all_gather": recompute_all_gather,
                           "enable_coc_in_column_backward": enable_coc_in_column_backward, **(config_options or {})})
-    assert patching.install(config)
+    assert linears.install(config)
     said = io.StringIO()
     handler = logging.StreamHandler(said)
     log.logger.addHandler(handler)
@@ -146,14 +147,14 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
         # The first CoC call also runs the once-per-group config agreement (one all_gather);
         # count the second call, and check the two are bitwise identical (determinism).
         first, _, _ = run_layer(layer, x, forward_kwargs)
-        calls_before = patching.engine().calls
+        calls_before = linears.engine().calls
         coc, coc_fwd, coc_bwd = run_layer(layer, x, forward_kwargs)
-        coc_calls = patching.engine().calls - calls_before
+        coc_calls = linears.engine().calls - calls_before
         bitwise_repeat = all(torch.equal(first[name], coc[name]) for name in coc)
     finally:
         log.logger.removeHandler(handler)
         log.logger.setLevel(level)
-        patching.uninstall()
+        linears.uninstall()
     return {
         "log": said.getvalue(),
         "errors": {name: relative_error(coc[name], reference[name]) for name in reference},
@@ -167,33 +168,33 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
 
 
 def _installed(config):
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
 
-    assert patching.install(config)
-    return patching
+    assert linears.install(config)
+    return linears
 
 
 def unpatched_then_coc(run, chunks):
     """``run()`` with Megatron's own forwards, then with CoC: (reference, coc, CoC calls made)."""
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
 
-    patching.uninstall()
+    linears.uninstall()
     reference = run()
     _installed(CocConfig(parallel_num=chunks, enable_coc_in_column_backward=True))
     try:
         coc = run()
-        return reference, coc, patching.engine().calls
+        return reference, coc, linears.engine().calls
     finally:
-        patching.uninstall()
+        linears.uninstall()
 
 
 def compare_main_grad(kind, *, chunks, sequence_parallel, zero_out_wgrad=False, seq=16, batch=2):
     """gradient_accumulation_fusion: wgrad lands in weight.main_grad (plain torch ops, no apex)."""
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
 
-    patching.uninstall()
+    linears.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
                         dtype="float32", hidden=32, ffn=64)
     x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype="float32")
@@ -207,7 +208,7 @@ def compare_main_grad(kind, *, chunks, sequence_parallel, zero_out_wgrad=False, 
     try:
         coc, _, _ = run_layer(layer, x)
     finally:
-        patching.uninstall()
+        linears.uninstall()
     return {
         "main_grad_error": relative_error(layer.weight.main_grad, initial + reference["weight_grad"]),
         "grad_added_to_main_grad": layer.weight.grad_added_to_main_grad,
@@ -219,9 +220,9 @@ def compare_main_grad(kind, *, chunks, sequence_parallel, zero_out_wgrad=False, 
 
 def compare_explicit_weight(*, chunks, sequence_parallel, seq=16, batch=2):
     """ColumnParallelLinear.forward(input, weight=W): W is used and receives the gradient."""
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
 
-    patching.uninstall()
+    linears.uninstall()
     layer = build_layer("column", sequence_parallel=sequence_parallel, bias=False, skip_bias_add=False,
                         dtype="float32", hidden=32, ffn=64)
     x = make_input("column", layer, sequence_parallel=sequence_parallel, seq=seq, batch=batch, dtype="float32")
@@ -258,11 +259,11 @@ def compare_in_subgroups(kind, *, chunks, sequence_parallel, subgroup_size=2, se
 
 def mismatched_config(chunks_by_rank):
     """Each rank installs a different chunk count: every rank must raise, none may hang."""
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
     from coc_inject.pipeline.agreement import ConfigMismatchError
 
-    patching.uninstall()
+    linears.uninstall()
     layer = build_layer("row", sequence_parallel=False, bias=False, skip_bias_add=False,
                         dtype="float32", hidden=16, ffn=32)
     x = make_input("row", layer, sequence_parallel=False, seq=8, batch=1, dtype="float32")
@@ -272,7 +273,7 @@ def mismatched_config(chunks_by_rank):
     except ConfigMismatchError as error:
         return str(error)
     finally:
-        patching.uninstall()
+        linears.uninstall()
     return None
 
 
@@ -281,10 +282,11 @@ def fallback_is_megatron(kind, *, chunks, reason_fragment, layer_options, sequen
     import io
     import logging
 
-    from coc_inject import log, patching
+    from coc_inject import log
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
 
-    patching.uninstall()
+    linears.uninstall()
     options = {"bias": True, "skip_bias_add": False, **layer_options}
     layer = build_layer(kind, sequence_parallel=sequence_parallel, dtype="float32", hidden=32, ffn=64,
                         **options)
@@ -298,9 +300,9 @@ def fallback_is_megatron(kind, *, chunks, reason_fragment, layer_options, sequen
     try:
         coc, _, _ = run_layer(layer, x)
         run_layer(layer, x)
-        calls = patching.engine().calls
+        calls = linears.engine().calls
     finally:
-        patching.uninstall()
+        linears.uninstall()
         log.logger.removeHandler(handler)
         log.configure("info")
     said = stream.getvalue()
@@ -341,10 +343,10 @@ def train_mlp(*, chunks, sequence_parallel, steps=5, seq=16, batch=2, hidden=32,
 
 def compiled_call(kind, *, chunks, sequence_parallel, backend="eager"):
     """torch.compile of a patched layer still runs the CoC forward (and equals unpatched)."""
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
 
-    patching.uninstall()
+    linears.uninstall()
     torch._dynamo.reset()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
                         dtype="float32", hidden=32, ffn=64)
@@ -354,11 +356,11 @@ def compiled_call(kind, *, chunks, sequence_parallel, backend="eager"):
     try:
         compiled = torch.compile(layer, backend=backend)
         coc, _, _ = run_layer(compiled, x)  # also runs the one-time config agreement
-        calls = patching.engine().calls
+        calls = linears.engine().calls
         coc, forward_counts, backward_counts = run_layer(compiled, x)
-        calls = patching.engine().calls - calls
+        calls = linears.engine().calls - calls
     finally:
-        patching.uninstall()
+        linears.uninstall()
         torch._dynamo.reset()
     return {"calls": calls, "forward_counts": forward_counts, "backward_counts": backward_counts,
             "errors": {name: relative_error(coc[name], reference[name]) for name in reference}}
@@ -367,9 +369,9 @@ def compiled_call(kind, *, chunks, sequence_parallel, backend="eager"):
 def output_modified_in_place(kind, *, chunks, sequence_parallel):
     """Megatron code edits layer outputs in place (vocab-parallel cross-entropy subtracts the
     max from the logits): a CoC output must allow that, as Megatron's own output does."""
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
 
-    patching.uninstall()
+    linears.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=False, skip_bias_add=False,
                         dtype="float32", hidden=32, ffn=64)
     x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=16, batch=2, dtype="float32")

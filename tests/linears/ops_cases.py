@@ -1,11 +1,11 @@
-"""Rank-side checks of coc_inject.ops against a dense float64 reference (see dist_harness.py)."""
+"""Rank-side checks of coc_inject.linears.ops against a dense float64 reference (see dist_harness.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from coc_inject import ops
+from coc_inject.linears import ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,4 +1,4 @@
-"""coc_inject.ops on 2 and 4 real gloo ranks, against dense float64 math (no Megatron)."""
+"""coc_inject.linears.ops on 2 and 4 real gloo ranks, against dense float64 math (no Megatron)."""
 
 import pytest
 

@@ -8,7 +8,9 @@ import pytest
 
 layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
 
-from coc_inject import log, megatron_version, patching  # noqa: E402
+import coc_inject  # noqa: E402
+from coc_inject import log, megatron_version  # noqa: E402
+from coc_inject.linears import install as linears  # noqa: E402
 from coc_inject.config import CocConfig  # noqa: E402
 
 CLASSES = (layers.ColumnParallelLinear, layers.RowParallelLinear)
@@ -18,42 +20,42 @@ ORIGINALS = {cls: cls.__dict__["forward"] for cls in CLASSES}
 @pytest.fixture(autouse=True)
 def restore():
     yield
-    patching.uninstall()
+    linears.uninstall()
     for cls, original in ORIGINALS.items():
         cls.forward = original
 
 
 def test_install_wraps_both_layers_with_plain_functions():
-    assert patching.install(CocConfig(parallel_num=4), layers)
+    assert linears.install(CocConfig(parallel_num=4), layers)
     for cls in CLASSES:
         forward = cls.__dict__["forward"]
         assert forward is not ORIGINALS[cls]
         # A plain function (dynamo traces it), not a wrapt proxy (dynamo would skip to the original).
         assert type(forward) is types.FunctionType
         assert forward.__wrapped__ is ORIGINALS[cls] and forward.__coc_inject__
-    assert patching.is_installed() and patching.engine().config.parallel_num == 4
+    assert linears.is_installed() and linears.engine().config.parallel_num == 4
 
 
 def test_install_twice_never_double_wraps():
-    patching.install(CocConfig(parallel_num=2), layers)
-    patching.install(CocConfig(parallel_num=8), layers)
+    linears.install(CocConfig(parallel_num=2), layers)
+    linears.install(CocConfig(parallel_num=8), layers)
     for cls in CLASSES:
         assert cls.__dict__["forward"].__wrapped__ is ORIGINALS[cls]
-    assert patching.engine().config.parallel_num == 8
+    assert linears.engine().config.parallel_num == 8
 
 
 def test_uninstall_restores_originals_and_is_idempotent():
-    patching.install(CocConfig(parallel_num=4), layers)
-    patching.uninstall()
-    patching.uninstall()
+    linears.install(CocConfig(parallel_num=4), layers)
+    linears.uninstall()
+    linears.uninstall()
     for cls in CLASSES:
         assert cls.__dict__["forward"] is ORIGINALS[cls]
-    assert not patching.is_installed() and patching.engine() is None
+    assert not linears.is_installed() and linears.engine() is None
 
 
 @pytest.mark.parametrize("config", [CocConfig(), CocConfig(parallel_num=4, disabled=True)])
 def test_off_config_patches_nothing(config):
-    assert patching.install(config, layers) is False
+    assert linears.install(config, layers) is False
     for cls in CLASSES:
         assert cls.__dict__["forward"] is ORIGINALS[cls]
 
@@ -69,7 +71,7 @@ def _on_layers_imported_saying(monkeypatch, version, **env):
     handler.emit = records.append
     log.logger.addHandler(handler)
     try:
-        patching.on_layers_imported(layers)
+        linears.on_layers_imported(layers)
     finally:
         log.logger.removeHandler(handler)
     return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
@@ -78,7 +80,7 @@ def _on_layers_imported_saying(monkeypatch, version, **env):
 @pytest.mark.parametrize("version", ["0.9.0", "0.20.0"])
 def test_untested_megatron_version_is_left_alone_and_said(monkeypatch, version):
     warnings = _on_layers_imported_saying(monkeypatch, version)
-    assert not patching.is_installed()
+    assert not linears.is_installed()
     assert len(warnings) == 1
     assert (f"CoC NOT applied: megatron-core {version} from directory /checkout is outside the tested range "
             "0.13 .. 0.19.x") in warnings[0]
@@ -88,9 +90,9 @@ def test_untested_megatron_version_is_left_alone_and_said(monkeypatch, version):
 def test_untested_megatron_version_is_patched_when_opted_in_and_said(monkeypatch):
     try:
         warnings = _on_layers_imported_saying(monkeypatch, "0.20.0", COC_ALLOW_UNTESTED_MEGATRON="1")
-        assert patching.is_installed()
+        assert linears.is_installed()
     finally:
-        patching.uninstall()
+        linears.uninstall()
     assert len(warnings) == 1 and "0.20.0 from directory /checkout is outside the tested range" in warnings[0]
     assert "UNTESTED" in warnings[0]
 
@@ -102,7 +104,7 @@ def test_untested_megatron_version_is_patched_when_opted_in_and_said(monkeypatch
 ])
 def test_unknown_megatron_version_is_left_alone_and_said(monkeypatch, version, why):
     warnings = _on_layers_imported_saying(monkeypatch, version)
-    assert not patching.is_installed()
+    assert not linears.is_installed()
     assert warnings == [f"CoC NOT applied: the release of megatron.core from directory /checkout cannot be "
                         f"determined ({why}); set COC_ALLOW_UNTESTED_MEGATRON=1 to try it anyway"]
 
@@ -110,18 +112,18 @@ def test_unknown_megatron_version_is_left_alone_and_said(monkeypatch, version, w
 def test_unknown_megatron_version_is_patched_when_opted_in_and_said(monkeypatch):
     try:
         warnings = _on_layers_imported_saying(monkeypatch, None, COC_ALLOW_UNTESTED_MEGATRON="1")
-        assert patching.is_installed()
+        assert linears.is_installed()
     finally:
-        patching.uninstall()
+        linears.uninstall()
     assert len(warnings) == 1 and "cannot be determined" in warnings[0] and "UNTESTED" in warnings[0]
 
 
 def test_tested_megatron_version_is_patched_without_warning(monkeypatch):
     try:
         warnings = _on_layers_imported_saying(monkeypatch, "0.19.2")
-        assert patching.is_installed()
+        assert linears.is_installed()
     finally:
-        patching.uninstall()
+        linears.uninstall()
     assert warnings == []
 
 
@@ -142,16 +144,16 @@ def test_uninstall_restores_every_attribute_both_wings_patched(monkeypatch):
     monkeypatch.setenv("COC_CP_ALGO", "ring")
     try:
         attention_install.on_parallel_state_imported(parallel_state)
-        patching.on_layers_imported(layers)
+        linears.on_layers_imported(layers)
         attention_install.on_attention_imported(dot_product_attention)
         installation = job.current()
         assert sorted(map(repr, installation.patches.patched())) == sorted(map(repr, watched))
         assert all(vars(owner)[name] is not original for (owner, name), original in zip(watched, before))
-        assert patching.engine().coverage is installation.coverage is not None
+        assert linears.engine().coverage is installation.coverage is not None
     finally:
-        patching.uninstall()
+        linears.uninstall()
     assert [vars(owner)[name] for owner, name in watched] == before
-    assert job.current() is None and not patching.is_installed()
+    assert job.current() is None and not linears.is_installed()
 
 
 @pytest.mark.parametrize("version,allow,support", [
@@ -168,7 +170,7 @@ def test_version_gate(version, allow, support):
 
 def test_status_lists_the_guards_of_the_installed_release():
     from coc_inject.cli import megatron_report
-    from coc_inject.linear_guards import GUARDS
+    from coc_inject.linears.guards import GUARDS
 
     def found(version):
         return megatron_version.Megatron(version, "/checkout/megatron/core")
@@ -187,7 +189,7 @@ def test_engine_never_allocates_with_cuda_current_device():
     # Megatron's torch.cuda.current_device() allocations break on CPU/NPU; ours follow
     # the input's device.
     # (coc_inject/bench is left out: its CPU ranks point Megatron's own calls at the CPU.)
-    package = pathlib.Path(patching.__file__).parent
+    package = pathlib.Path(coc_inject.__file__).parent
     for source in package.rglob("*.py"):
         if "bench" not in source.parts:
             assert "current_device" not in source.read_text(), source

@@ -31,10 +31,11 @@ def auto_call(kind, *, sequence_parallel, cache=None, deterministic=False, skew=
     """Unpatched vs auto on the same layer; ``skew``: {rank: (chunk counts, seconds)} delays.
 
     Returns errors, decisions (chunks, source), CoC calls and the log."""
-    from coc_inject import job, log, patching
+    from coc_inject import job, log
+    from coc_inject.linears import install as linears
     from coc_inject.config import AUTO, CocConfig
 
-    patching.uninstall()
+    linears.uninstall()
     layer = build_layer(kind, sequence_parallel=sequence_parallel, bias=True, skip_bias_add=False,
                         dtype="float32", hidden=32, ffn=64)
     x = make_input(kind, layer, sequence_parallel=sequence_parallel, seq=seq, batch=2, dtype="float32")
@@ -45,7 +46,7 @@ def auto_call(kind, *, sequence_parallel, cache=None, deterministic=False, skew=
     handler = logging.StreamHandler(stream)
     log.configure("debug")
     log.logger.addHandler(handler)
-    assert patching.install(config)
+    assert linears.install(config)
     try:
         tuner = job.current().tuner(job.LINEARS)
         mine = (skew or {}).get(dist.get_rank())
@@ -53,9 +54,9 @@ def auto_call(kind, *, sequence_parallel, cache=None, deterministic=False, skew=
             _skewing(tuner, *mine)
         results = [run_layer(layer, x)[0] for _ in range(calls)]
         decisions = [(d.chunks, d.source) for d in tuner.decisions.values()]
-        calls_made = patching.engine().calls
+        calls_made = linears.engine().calls
     finally:
-        patching.uninstall()
+        linears.uninstall()
         log.logger.removeHandler(handler)
         log.configure("info")
     return {

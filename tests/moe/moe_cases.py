@@ -76,7 +76,7 @@ def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None, cp: int =
     from megatron.core.transformer import dot_product_attention
     from megatron.core.transformer.moe import moe_layer
 
-    from coc_inject import patching
+    from coc_inject.linears import install as linears
     from coc_inject.context_parallel import install as cp_install
     from coc_inject.moe import install
 
@@ -88,7 +88,7 @@ def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None, cp: int =
         if config.cp_algorithm:  # first: its install() starts the installation afresh
             cp_install.install(config, dot_product_attention, parallel_state)
         if config.enabled:
-            patching.install(config)
+            linears.install(config)
         install.install(config, moe_layer)
         if config.multi_copy_armed:  # the same installation: the wings compose
             from megatron.core.transformer import transformer_block

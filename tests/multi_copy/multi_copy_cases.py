@@ -110,7 +110,8 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     every wing installed for one config; the routes the blocks took come back as ``routes``.
     ``poison``: a collective left in flight reads NaN until its wait; ``skip_cut_waits``: the cuts do
     not wait for it (a deliberately broken backward, which poison must catch)."""
-    from coc_inject import job, patching
+    from coc_inject import job
+    from coc_inject.linears import install as linears
     from coc_inject.config import AUTO, CocConfig
     from megatron.core.transformer import transformer_block
 
@@ -120,7 +121,7 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
 
     def after_setup():
         if chunks is not None:
-            assert patching.install(config)
+            assert linears.install(config)
         if copies != 1:
             copies_install.install(config, transformer_block)
             if tuner is not None:
@@ -220,7 +221,7 @@ def train_linears_choice(slow_ranks=(0, 2), **kwargs):
     """Copies 2 with COC_PARALLEL_NUM=auto, the trials of the copies with CoC's chunks inside half a
     second slower on ``slow_ranks`` only: the decisions, and the reasons the CoC engine gave for
     running Megatron's path outside the trials, come back with the training."""
-    from coc_inject.linear_router import LinearRouter
+    from coc_inject.linears.router import LinearRouter
     from coc_inject.config import AUTO
 
     reasons = set()

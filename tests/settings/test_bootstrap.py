@@ -26,7 +26,7 @@ COC_SH = REPO / "env" / "coc.sh"
 
 from coc_inject import bootstrap  # noqa: E402  (pytest puts the checkout on sys.path)
 
-HEAVY = ("torch", "wrapt", "megatron", "coc_inject.config", "coc_inject.settings", "coc_inject.patching",
+HEAVY = ("torch", "wrapt", "megatron", "coc_inject.config", "coc_inject.settings", "coc_inject.linears.install",
          "importlib.metadata")
 
 # Printed by child interpreters: what the bootstrap did to this process.
@@ -275,20 +275,20 @@ FAKE_MEGATRON = {
     "megatron/core/tensor_parallel/layers.py": "class ColumnParallelLinear:\n    pass\n",
 }
 
-# Stand-in for the lead's coc_inject.patching, put in sys.modules by the child program.
+# Stand-in for the lead's coc_inject.linears.install, put in sys.modules by the child program.
 STAND_IN = textwrap.dedent(
     """
     import sys, types
     calls = []
-    patching = types.ModuleType("coc_inject.patching")
+    install = types.ModuleType("coc_inject.linears.install")
     def on_layers_imported(module):
         calls.append((module.__name__, "wrapt" in sys.modules))
         if getattr(module, "FAIL", False):
             raise RuntimeError("configuration error stand-in")
-    patching.on_layers_imported = on_layers_imported
-    sys.modules["coc_inject.patching"] = patching
-    import coc_inject
-    coc_inject.patching = patching
+    install.on_layers_imported = on_layers_imported
+    sys.modules["coc_inject.linears.install"] = install
+    import coc_inject.linears
+    coc_inject.linears.install = install
     """
 )
 

@@ -758,7 +758,7 @@ def test_deterministic_flag_and_fingerprint():
 
 
 def test_config_backend_choices_match_the_registry():
-    registry = pytest.importorskip("coc_inject.fused.registry")
+    registry = pytest.importorskip("coc_inject.linears.fused.registry")
     assert cfgmod.FUSED_BACKENDS == registry.CHOICES
 
 

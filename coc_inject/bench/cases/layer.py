@@ -50,7 +50,8 @@ def rank_work(args, device) -> dict | None:
     import torch
     from megatron.core.transformer import transformer_block
 
-    from coc_inject import job, patching
+    from coc_inject import job
+    from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
     from coc_inject.multi_copy import install as copies
 
@@ -66,7 +67,7 @@ def rank_work(args, device) -> dict | None:
             config = CocConfig(parallel_num=args.chunks if "coc" in name else 1,
                                multi_copy=args.copies if "copies" in name else 1, tune_cache=tune_cache)
             if config.enabled:
-                patching.install(config)
+                linears.install(config)
             if config.multi_copy_armed:
                 copies.install(config, transformer_block)
             try:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from coc_inject import job, patching
+from coc_inject import job
+from coc_inject.linears import install as linears
 from coc_inject.bench import engine, ranks, report, startup
 from coc_inject.bench.cases import linears_figures as figures
 from coc_inject.config import AUTO, CocConfig
@@ -73,17 +74,17 @@ def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device, batch: i
 def _install(variant: str, layer=None, auto=None) -> None:
     """Patch for ``variant``; with ``layer``, the one-time cross-rank config check runs now, so that
     no timed call pays for it. ``auto``: (config, tuner); the tuner is handed to the new engine."""
-    patching.uninstall()
+    linears.uninstall()
     if variant == "megatron":
         return
     if variant == AUTO_VARIANT:
-        patching.install(auto[0])
+        linears.install(auto[0])
         if auto[1] is not None:  # the decided tuner, handed to the new installation
             job.current().tuners[job.LINEARS] = auto[1]
     elif variant == "N=1":  # Megatron's own path behind the wrapper: the wrapper's cost ((1,1,1) never matches)
-        patching.install(CocConfig(parallel_num=1, customized_coc={(1, 1, 1): 2}))
+        linears.install(CocConfig(parallel_num=1, customized_coc={(1, 1, 1): 2}))
     else:
-        patching.install(CocConfig(parallel_num=int(variant.split("=")[1]), enable_coc_in_column_backward=True))
+        linears.install(CocConfig(parallel_num=int(variant.split("=")[1]), enable_coc_in_column_backward=True))
     if layer is not None:
         agreement.ensure_same_config(layer.tp_group, job.current().config, layer.weight.device)
 
@@ -115,7 +116,7 @@ def decide_auto(layer, x, config) -> tuple:
         layer.zero_grad(set_to_none=True)
         tuner = job.current().tuners.get(job.LINEARS)
     finally:
-        patching.uninstall()
+        linears.uninstall()
     if tuner is None or len(tuner.decisions) != 1:
         raise RuntimeError(f"auto made {0 if tuner is None else len(tuner.decisions)} decisions for one layer "
                            "call, expected 1 (did the call fall back to Megatron before tuning?)")
@@ -150,12 +151,12 @@ def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmu
             if len(tuner.decisions) != 1 or next(iter(tuner.decisions.values())).chunks != decided["chunks"]:
                 raise RuntimeError("auto made a new decision during the timed repetitions: "
                                    f"{[d.describe(k) for k, d in tuner.decisions.items()]}")
-            return {"forward": forward, "backward": backward}, patching.engine().calls  # 0: Megatron's path
+            return {"forward": forward, "backward": backward}, linears.engine().calls  # 0: Megatron's path
         return run
 
     def alone(fn):
         def run():
-            patching.uninstall()
+            linears.uninstall()
             return {"forward": timer(fn)[1] if fn is not None else 0.0}
         return run
 
@@ -164,7 +165,7 @@ def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmu
     runs["compute-only"] = alone(lambda: torch.matmul(rows_in, layer.weight.t()))
     runs["comm-only"] = alone(_comm_only(case, layer, x, layer.tp_group))
     times, kept = engine.measure(runs, reps, device=device, warm_ups=warmup, label=f"{case.label}: ")
-    patching.uninstall()
+    linears.uninstall()
     shown = max(fixed) if fixed else max(decided["chunks"], 2)
     result = {"case": case.name, "label": case.label, "times": times, "timeline": timeline(layer, x, shown)}
     if decided is not None:
@@ -182,7 +183,7 @@ def timeline(layer, x, chunks: int) -> list:
             layer(x.clone())
             dist.barrier()
     finally:
-        patching.uninstall()
+        linears.uninstall()
     return [(kind, start_row, 1e3 * (t0 - begin), 1e3 * (t1 - begin))
             for kind, start_row, t0, t1 in tracer.finish() if kind != "launch"]
 
@@ -209,7 +210,7 @@ def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int =
             with collectives.all_reduce_replaced(lambda tensor, group: None), torch.no_grad():
                 return _median_seconds(lambda: layer(x), calls)
         finally:
-            patching.uninstall()
+            linears.uninstall()
 
     slope = (forward_time(16) - forward_time(2)) / 14
     chunk = torch.randn(rows_per_chunk, 32, dtype=dtype, device=device)

@@ -3,7 +3,7 @@
 ``plan(call)`` gives CoC's chunked pipeline (``Chunked``), a fused kernel (``Fused``), or Megatron's
 path with a reason (``MegatronPath``: 1 chunk configured for the shape, the copies chose Megatron's
 linears, or ``COC_PARALLEL_NUM=auto`` measured Megatron's path fastest). It knows no Megatron
-attribute: the call (linear_adapters.LinearCall) carries its shape and two runners, which the auto
+attribute: the call (adapters.LinearCall) carries its shape and two runners, which the auto
 tuner's trials use.
 """
 
@@ -52,7 +52,7 @@ class LinearRouter:
         """A Fused route if a fused backend can run this call; otherwise say why once and chunk."""
         if call.fused_op is None:  # no communication to fuse in this forward; the backward is chunked
             return self._unfused(call)
-        from coc_inject.fused import registry
+        from coc_inject.linears.fused import registry
         from coc_inject.pipeline.functions import FusedKernel
 
         count = self.config.parallel_num if self.config.parallel_num > 1 else None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from coc_inject.fused.npu_library import NpuLibraryBackend
+from coc_inject.linears.fused.npu_library import NpuLibraryBackend
 
 DTYPES = (torch.float16, torch.bfloat16)
 K_RANGE = (256, 65535)

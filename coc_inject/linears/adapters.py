@@ -1,10 +1,10 @@
 """Row and Column adapters: Megatron's two linear forwards, as CoC runs them.
 
-With linear_guards.py, the only module that knows Megatron's layer attributes. Each adapter
+With guards.py, the only module that knows Megatron's layer attributes. Each adapter
 turns one forward call into what the router plans with (``call``: a :class:`LinearCall`,
 whose ``run_coc`` re-does Megatron's forward around CoC's autograd Functions: the scatter of a
 non-parallel input, the bias, the output gather) and says why a call must take Megatron's own
-path (``guard``). patching.py wraps the layers' forwards with them.
+path (``guard``). forward.py wraps the layers' forwards with them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from coc_inject.config import CocConfig
-from coc_inject.linear_guards import column_guards, row_guards
+from coc_inject.linears.guards import column_guards, row_guards
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
     FusedAllGatherMatmul,
@@ -67,7 +67,7 @@ def column_shape(layer, input_) -> tuple:
 
 @dataclass
 class LinearCall:
-    """One Row or Column forward call, as the router (linear_router) plans it."""
+    """One Row or Column forward call, as the router (router.py) plans it."""
 
     layer: object
     case: LayerCase

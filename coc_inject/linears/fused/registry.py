@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from coc_inject import log
-from coc_inject.fused.atb import AtbBackend
-from coc_inject.fused.mc2 import Mc2Backend
-from coc_inject.fused.symm_mem import SymmMemBackend
+from coc_inject.linears.fused.atb import AtbBackend
+from coc_inject.linears.fused.mc2 import Mc2Backend
+from coc_inject.linears.fused.symm_mem import SymmMemBackend
 
 BACKENDS = {backend.name: backend for backend in (AtbBackend(), Mc2Backend(), SymmMemBackend())}
 CHOICES = ("auto", "chunked", *BACKENDS)

@@ -53,13 +53,13 @@ def _check_chunks(chunks):
 
 def _fused(op, x2d, weight, group, backend):
     """The fused backend for this call, or None (chunked): ``backend`` as in the module doc."""
-    from coc_inject.fused import registry
+    from coc_inject.linears.fused import registry
 
     if backend == "chunked":
         return None
     if backend not in registry.CHOICES:
         raise ValueError(f"backend={backend!r} is invalid: expected one of {', '.join(registry.CHOICES)}")
-    return registry.select(op, x2d, weight, group, backend, f"coc_inject.ops.{op}", "using the chunked pipeline")
+    return registry.select(op, x2d, weight, group, backend, f"coc_inject.linears.ops.{op}", "using the chunked pipeline")
 
 
 def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None = None,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from coc_inject.fused.npu_library import NpuLibraryBackend
+from coc_inject.linears.fused.npu_library import NpuLibraryBackend
 
 TYPES = {
     "matmul_all_reduce": "LINEAR_ALL_REDUCE",

@@ -1,0 +1,67 @@
+"""The forward put on Megatron's Column/Row classes, and the wing object it closes over.
+
+The replacement forwards are plain functions (closures), not wrapt proxies: torch.compile (dynamo)
+traces a plain function, but silently traces the *original* code behind a wrapt FunctionWrapper,
+which would turn CoC off under compile without a word.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from coc_inject import log
+from coc_inject.pipeline.layout import effective_chunks
+from coc_inject.routes import Chunked, Fused, MegatronPath
+
+
+class Linears:
+    """The linears' wing in one installation: its router, its adapters and what they counted."""
+
+    def __init__(self, config, installation):
+        from coc_inject.linears.adapters import ADAPTERS
+        from coc_inject.linears.router import LinearRouter
+
+        self.config = config
+        self.router = LinearRouter(config, installation)
+        self.adapters = {name: adapter(config) for name, adapter in ADAPTERS.items()}
+        self.calls = 0  # calls CoC ran (status / tests); Megatron's path is not counted here
+        self.coverage = installation.armed_coverage()
+
+    def count(self, call, route, shape_of) -> None:
+        """Count a call CoC ran; a chunked one by the chunks its rows really split into."""
+        self.calls += 1
+        if self.coverage is not None:
+            if isinstance(route, Chunked) and call.rows < route.chunks:
+                route = Chunked(effective_chunks(call.rows, route.chunks))
+            self.coverage.count(call.layer, route, call.megatron_input, shape_of)
+
+    def megatron_path(self, layer, path, input_, shape_of) -> None:
+        """Say once why a call takes Megatron's path, and count it."""
+        level = logging.DEBUG if path.expected else logging.INFO
+        name = type(layer).__name__
+        log.once((name, path.reason), level, f"{name}: Megatron's own forward is used: {path.reason}")
+        if self.coverage is not None:
+            self.coverage.count(layer, path, input_, shape_of)
+
+
+def wrap(original, linears: Linears, adapter):
+    """The forward put on a linear class: guard, plan, run CoC's path or Megatron's, count."""
+    shape_of = adapter.shape
+
+    @functools.wraps(original)
+    def forward(self, input_, *args, **kwargs):
+        path = adapter.guard(self, input_, args, kwargs)
+        if path is None:
+            call = adapter.call(original, self, input_, args, kwargs)
+            route = linears.router.plan(call)
+            if not isinstance(route, MegatronPath):
+                output = call.run_coc(call.coc_input, route.kernel if isinstance(route, Fused) else route.chunks)
+                linears.count(call, route, shape_of)
+                return output
+            path = route
+        linears.megatron_path(self, path, input_, shape_of)
+        return original(self, input_, *args, **kwargs)
+
+    forward.__coc_inject__ = True
+    return forward
