@@ -51,11 +51,7 @@ class AtbBackend(NpuLibraryBackend):
             return f"tensor-parallel size {size} is not a power of 2 (ATB lcoc needs one)"
         if x.dtype not in DTYPES or weight.dtype != x.dtype:
             return f"dtypes {x.dtype}/{weight.dtype}: ATB lcoc takes fp16 or bf16 for both operands"
-        if x.device.type != self.device_type:
-            return f"tensors on {x.device.type}, ATB lcoc runs on {self.device_type}"
-        if op == "matmul_reduce_scatter" and x.shape[0] % size:
-            return f"m={x.shape[0]} rows do not divide by the tensor-parallel size {size}"
-        return None
+        return self.placement_unsupported(op, x, size, "ATB lcoc")
 
     def _operation(self, op: str, group, trans_weight: bool):
         ranks = dist.get_process_group_ranks(group)

@@ -46,11 +46,7 @@ class Mc2Backend(NpuLibraryBackend):
                     f"the same dtype, or int8 for w8a16")
         if not K_RANGE[0] <= k < K_RANGE[1]:
             return f"k={k} is outside MC2's range [{K_RANGE[0]}, {K_RANGE[1]})"
-        if x.device.type != self.device_type:
-            return f"tensors on {x.device.type}, MC2 runs on {self.device_type}"
-        if op == "matmul_reduce_scatter" and x.shape[0] % size:
-            return f"m={x.shape[0]} rows do not divide by the tensor-parallel size {size}"
-        return None
+        return self.placement_unsupported(op, x, size, "MC2")
 
     def _hcom(self, group) -> str:
         backend = group._get_backend(torch.device(self.device_type))

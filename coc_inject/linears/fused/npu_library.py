@@ -34,3 +34,11 @@ class NpuLibraryBackend:
     def device_type(self) -> str:
         # The real libraries run on NPUs; a test fake declares the device type it emulates.
         return getattr(self._library, "COC_FAKE_DEVICE_TYPE", "npu")
+
+    def placement_unsupported(self, op: str, x, size: int, kernel: str) -> str | None:
+        """Why ``kernel`` cannot take ``x`` where it lies, or how it splits: both libraries' last checks."""
+        if x.device.type != self.device_type:
+            return f"tensors on {x.device.type}, {kernel} runs on {self.device_type}"
+        if op == "matmul_reduce_scatter" and x.shape[0] % size:
+            return f"m={x.shape[0]} rows do not divide by the tensor-parallel size {size}"
+        return None
