@@ -12,7 +12,7 @@
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
 * ``tune [...]``: ``COC_PARALLEL_NUM=auto``'s (and with ``--cp``, ``COC_CP_ALGO=auto``'s) decisions for
   given shapes / model dimensions, made ahead of a job into the tune cache, and the equivalent fixed
-  settings (coc_inject.tuning.offline).
+  settings (coc_inject.tune.run).
 * ``selftest [...]``: every wing against the truth on this machine's devices (coc_inject.selftest).
 """
 
@@ -321,7 +321,7 @@ def main(argv=None) -> int:
 
         return bench_main(argv[1:])
     if argv[:1] == ["tune"]:
-        from coc_inject.tuning.offline import main as tune_main
+        from coc_inject.tune.run import main as tune_main
 
         return tune_main(argv[1:])
     if argv[:1] == ["selftest"]:

@@ -25,7 +25,7 @@ from coc_inject.settings.parsers import (
     parse_tune_cache,
     parse_tune_candidates,
 )
-from coc_inject.settings.parsers import shape_text as _shape_text  # noqa: F401  (tuning/offline.py's name)
+from coc_inject.settings.parsers import shape_text as _shape_text  # noqa: F401  (tune/report.py's name)
 from coc_inject.settings.resolve import load_config, unknown_variables, validate_all
 from coc_inject.settings.table import ATTN_KERNELS, ENV_REFERENCE, FILE_REFERENCE, FUSED_BACKENDS, LOG_LEVELS
 

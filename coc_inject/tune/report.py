@@ -9,7 +9,7 @@ import json
 import os
 import shlex
 
-from coc_inject.tuning import offline_attention as tune_attention, offline_moe
+from coc_inject.tune import attention as tune_attention, moe as tune_moe
 from coc_inject.config import _shape_text
 from coc_inject.tuning.cache import TuneCache
 
@@ -110,7 +110,7 @@ def result(plan, measured: dict, where: str) -> dict:
     return {"where": where, "dtype": plan.dtype,
             "linears": linears_result(plan, measured["linears"]) if measured["linears"] is not None else None,
             "attention": attention_result(plan, measured["attention"]) if measured["attention"] is not None else None,
-            "moe": (offline_moe.result(plan, measured["moe"], _entries(plan.config.tune_cache))
+            "moe": (tune_moe.result(plan, measured["moe"], _entries(plan.config.tune_cache))
                     if measured.get("moe") is not None else None),
             "notes": list(plan.notes)}
 
@@ -153,7 +153,7 @@ def text(report: dict) -> str:
         lines += [f"coc-inject tune, MoE (COC_MOE_OVERLAP=auto): {where}, {dtype}; candidates Megatron's dispatcher "
                   "(the baseline), 1, 2, 4, 8 chunks per local expert; ms: fwd+bwd median of the trials, max over the EP "
                   "group (source cache: the times cached with the decision)",
-                  offline_moe.format_table(moe["rows"]),
+                  tune_moe.format_table(moe["rows"]),
                   *(f"warning: {warning}" for warning in moe["warnings"]),
                   _cache_line(moe, "COC_MOE_OVERLAP=auto")]
     lines += [f"note: {note}" for note in report["notes"]]

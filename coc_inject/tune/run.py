@@ -18,9 +18,9 @@ equivalent ``COC_CUSTOMIZED`` for jobs that do not use ``auto``.
 
 With ``--cp`` >= 2 the attention shapes (``--shape attention:...``, or the model dimensions with
 ``--heads``) are decided too, through Megatron's local attention with ``COC_CP_ALGO=auto``
-(coc_inject.tuning.offline_attention); Megatron's parallel state gets the job's TP and CP sizes
+(coc_inject.tune.attention); Megatron's parallel state gets the job's TP and CP sizes
 (under torchrun give ``--tp`` with ``--cp``: the rest of the job may be data-parallel). MoE layer shapes
-(``--shape moe:...`` with ``--ep``) tune in a run of their own (coc_inject.tuning.offline_moe).
+(``--shape moe:...`` with ``--ep``) tune in a run of their own (coc_inject.tune.moe).
 
 Where it runs is ``coc-inject bench``'s choice: local CPU ranks over gloo (``--world``, default
 ``--tp`` x ``--cp``), or, under torchrun, every rank of the job on its device (``COC_BENCH_DEVICE=npu`` on
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from coc_inject import job, log
 from coc_inject.linears import install as linears
 from coc_inject.bench import ranks
-from coc_inject.tuning import offline_attention as tune_attention, offline_moe, offline_report as tune_report
+from coc_inject.tune import attention as tune_attention, moe as tune_moe, report as tune_report
 from coc_inject.bench.ranks import Setup
 from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
 from coc_inject.routes import CASE_NAMES, LayerCase
@@ -82,12 +82,12 @@ def parse_shape(text: str):
     if case == "attention" and len(numbers) == len(words) == 5:
         return tune_attention.AttentionTarget("--shape", *numbers)
     if case == "moe" and len(numbers) == len(words) == 5:
-        return offline_moe.MoETarget("--shape", *numbers)
+        return tune_moe.MoETarget("--shape", *numbers)
     if case in CASES and len(numbers) == len(words) == 3:
         return Target("--shape", case, *numbers)
-    allowed = (tune_attention.SHAPE_ALLOWED if case == "attention" else offline_moe.SHAPE_ALLOWED if case == "moe" else
+    allowed = (tune_attention.SHAPE_ALLOWED if case == "attention" else tune_moe.SHAPE_ALLOWED if case == "moe" else
                SHAPE_ALLOWED if case in CASES else
-               f"{SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}; or {offline_moe.SHAPE_ALLOWED}")
+               f"{SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}; or {tune_moe.SHAPE_ALLOWED}")
     raise argparse.ArgumentTypeError(f"{text!r} is invalid: expected {allowed}")  # argparse names --shape
 
 
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     shapes = parser.add_argument_group("explicit shapes")
     shapes.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="CASE:M,K,N",
                         help=f"repeatable; {SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}; or "
-                             f"{offline_moe.SHAPE_ALLOWED}")
+                             f"{tune_moe.SHAPE_ALLOWED}")
     model = parser.add_argument_group("model dimensions (GPT layer: linear_qkv, linear_proj, linear_fc1, "
                                       "linear_fc2)")
     model.add_argument("--hidden", type=positive, help="hidden size")
@@ -214,13 +214,13 @@ class Plan:
     world: int
     dtype: str = "float32"
     forward_only_too: bool = False  # --recompute-activations: the attention's forward-only keys as well
-    moe: tuple = ()  # offline_moe.MoETargets (a run of their own)
+    moe: tuple = ()  # tune_moe.MoETargets (a run of their own)
     ep: int = 1
 
 
 def resolve(args, parser, environ) -> Plan:
     """The Plan of the arguments, or a parser error."""
-    moe = tuple(t for t in args.shape if isinstance(t, offline_moe.MoETarget))
+    moe = tuple(t for t in args.shape if isinstance(t, tune_moe.MoETarget))
     if moe or args.ep is not None:
         return resolve_moe(args, parser, environ, moe)
     under_torchrun = "RANK" in environ
@@ -317,7 +317,7 @@ def resolve_moe(args, parser, environ, moe: tuple) -> Plan:
     if world % ep:
         parser.error(f"the world size {world} is invalid with --ep={ep}: expected a multiple of it")
     for target in moe:
-        offline_moe.check_shape(target, ep, parser.error)
+        tune_moe.check_shape(target, ep, parser.error)
     base, cache = job_settings(args, parser, environ)
     config = dataclasses.replace(base, moe_overlap="auto", disabled=False, deterministic=False, tune_cache=cache,
                                  report=None)
@@ -336,7 +336,7 @@ def tune_rank(plan: Plan, device) -> dict | None:
                 "attention": (tune_attention.tune_rank(plan.attention, plan.config, dtype, device, plan.tp, plan.cp,
                                                        plan.forward_only_too)
                               if plan.attention else None),
-                "moe": offline_moe.tune_rank(plan.moe, plan.config, dtype, device, plan.ep) if plan.moe else None}
+                "moe": tune_moe.tune_rank(plan.moe, plan.config, dtype, device, plan.ep) if plan.moe else None}
     return measured if dist.get_rank() == 0 else None
 
 

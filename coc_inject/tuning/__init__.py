@@ -1,3 +1,3 @@
-"""Deciding settings from measurements: the online tuner of every ``auto`` (online.py), the cache
-of its decisions (cache.py), and ``coc-inject tune``, which makes them ahead of a job (offline*.py).
-Importing this package imports nothing (tune's argument errors come without torch)."""
+"""Deciding settings from measurements inside a job: the online tuner of every ``auto`` (online.py)
+and the cache of its decisions (cache.py). ``coc-inject tune`` (coc_inject.tune) makes the same
+decisions ahead of a job. Importing this package imports nothing."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from coc_inject.tuning import offline as tune, offline_report as tune_report
+from coc_inject.tune import report as tune_report, run as tune
 from coc_inject.config import AUTO, load_config, parse_customized
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,7 +281,7 @@ MODEL = ["--hidden", "64", "--ffn", "128", "--seq", "32", "--micro-batch", "2", 
 
 
 def test_cp_adds_the_core_attention_of_the_model_and_sizes_the_world():
-    from coc_inject.tuning.offline_attention import AttentionTarget
+    from coc_inject.tune.attention import AttentionTarget
 
     attention = AttentionTarget("core_attention", 32, 2, 8, 4, 8)
     # --cp alone: TP 1 (the linears have nothing to tune), world = CP.
@@ -305,7 +305,7 @@ def test_cp_adds_the_core_attention_of_the_model_and_sizes_the_world():
 
 
 def test_a_variants_settings_run_it_without_auto():
-    from coc_inject.tuning.offline_attention import fixed_settings, shell_lines
+    from coc_inject.tune.attention import fixed_settings, shell_lines
     from coc_inject.context_parallel.attention import Variant
 
     assert Variant("ring", window=2).settings() == {"COC_CP_ALGO": "ring", "COC_CP_WINDOW": "2",

@@ -1,0 +1,5 @@
+import sys
+
+from coc_inject.tune.run import main
+
+sys.exit(main())
