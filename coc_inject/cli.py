@@ -167,7 +167,7 @@ def moe_status(config) -> str:
 def multi_copy_status(config) -> str:
     """What COC_MULTI_COPY does in this configuration, in one line."""
     from coc_inject.config import AUTO
-    from coc_inject.multi_copy.block import WITHOUT_COPIES
+    from coc_inject.multi_copy.splits import WITHOUT_COPIES
 
     if config is None or not config.multi_copy_armed:
         return "off (COC_MULTI_COPY=1)"

@@ -9,7 +9,7 @@ The copies' backward (segments.py) rests on private parts of torch's autograd:
 
 :func:`reason` runs segments.backward itself, on the CPU, on a tiny graph: two copies of
 ``x * 2 -> cut -> * w -> cut -> * w`` inside an outer node's backward, and checks the order its
-nodes ran in and the copy each was told. A missing attribute or any difference, and install.py
+nodes ran in and the copy each was told. A missing attribute or any difference, and forward.py
 runs every block as Megatron's with this reason: never the copies in an order nobody checked.
 """
 

@@ -50,7 +50,7 @@ def _case(ctx, case, backend) -> dict:
 
     from coc_inject.bench.cases.layer import build_block
     from coc_inject.config import CocConfig
-    from coc_inject.multi_copy import install as copies
+    from coc_inject.multi_copy import forward as copies_forward, install as copies
 
     dtype = ctx.torch_dtype()
     heads = 2 * ctx.world  # TP = the world divides the heads, the hidden and the FFN sizes
@@ -75,7 +75,7 @@ def _case(ctx, case, backend) -> dict:
 
     config = CocConfig(multi_copy=COPIES)
     errors, times, calls, route = against_megatron(ctx, step, lambda: copies.install(config, transformer_block),
-                                                   lambda: copies.last_route(block),
+                                                   lambda: copies_forward.last_route(block),
                                                    truth_step=lambda: step(COPIES))
     ran = route is not None and route.copies == COPIES
     errors["copies ran"] = common.max_over_ranks(float(not ran), ctx.group, ctx.device)

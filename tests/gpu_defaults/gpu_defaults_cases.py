@@ -198,7 +198,7 @@ def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp:
 
 def _routes(model) -> dict:
     """What each wing's layers ran (their last call's route), by wing."""
-    from coc_inject.multi_copy.install import last_route
+    from coc_inject.multi_copy.forward import last_route
 
     found: dict = {}
     for module in model.modules():

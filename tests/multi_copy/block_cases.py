@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject.multi_copy import install as copies_install
+from coc_inject.multi_copy.forward import last_route
 from tests.context_parallel import cp_gpt_cases
 from tests.multi_copy.multi_copy_cases import CollectiveRecorder
 
@@ -21,7 +22,7 @@ def numbers_left_as_they_are(per_copy) -> dict:
 
 def block_call(copies=2, record=False, broken_autograd=False):
     """One TransformerBlock call as ``copies`` copies (TP = the world, SP), forward and backward: the
-    route it took (install.last_route), every attribute naming coc-inject left on the block or its
+    route it took (forward.last_route), every attribute naming coc-inject left on the block or its
     modules (none may be), the names the copies asked Megatron's global memory buffer for, forward
     and backward, and with ``record`` the collectives recorded (the recorder must change none of it).
     ``broken_autograd``: a torch whose renumbering changes nothing, as install's check sees it."""
@@ -62,7 +63,7 @@ def block_call(copies=2, record=False, broken_autograd=False):
         copies_install.install(CocConfig(multi_copy=copies), transformer_block)
         inside.callback(job.uninstall)
         block(hidden.requires_grad_(), mask).sum().backward()
-        route = copies_install.last_route(block)
+        route = last_route(block)
     left = sorted(f"{name or 'block'}.{attribute}" for name, module in block.named_modules()
                   for attribute in vars(module) if "coc" in attribute.lower())
     return {"copies": route.copies if route else None, "reason": getattr(route, "reason", None), "left": left,

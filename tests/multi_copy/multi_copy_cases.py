@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import copy_context, dist_interception
-from coc_inject.multi_copy import install as copies_install
+from coc_inject.multi_copy import forward as copies_forward, install as copies_install
 from coc_inject.multi_copy import collectives as copies_collectives
 from coc_inject.multi_copy import scheduler as copies_scheduler
 from coc_inject.multi_copy.cuts import KINDS
@@ -169,13 +169,13 @@ def recorded_routes():
 
     routes = Routes()
     routes.in_turn = set()
-    count = copies_install._count
-    copies_install._count = lambda *call: (routes.append((call[2].copies, call[2].reason)),
-                                           routes.in_turn.add(call[2].backward_in_turn), count(*call))
+    count = copies_forward.MultiCopy.count
+    copies_forward.MultiCopy.count = lambda *call: (routes.append((call[2].copies, call[2].reason)),
+                                                    routes.in_turn.add(call[2].backward_in_turn), count(*call))
     try:
         yield routes
     finally:
-        copies_install._count = count
+        copies_forward.MultiCopy.count = count
 
 
 def skewed_tuner(delay, slow_baseline=False):
@@ -354,7 +354,7 @@ def train_ddp(copies=2, steps=2, b=4, seq=32):
                 for p in model.parameters():
                     p -= 0.5 * p.main_grad
             losses.append(loss.item())
-        routes = sorted({repr(copies_install.last_route(m)) for m in model.modules()
+        routes = sorted({repr(copies_forward.last_route(m)) for m in model.modules()
                          if type(m).__name__ == "TransformerBlock"})
     finally:
         job.uninstall()

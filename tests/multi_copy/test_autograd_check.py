@@ -8,7 +8,7 @@ import torch
 
 from coc_inject import job
 from coc_inject.config import CocConfig
-from coc_inject.multi_copy import autograd_check, install, segments
+from coc_inject.multi_copy import autograd_check, forward, install, segments
 from tests.multi_copy.block_cases import numbers_left_as_they_are
 
 
@@ -49,7 +49,7 @@ def test_a_failed_check_makes_every_block_run_megatrons_forward_with_the_reason(
     monkeypatch.setattr(transformer_block.TransformerBlock, "forward",
                         lambda self, hidden_states, *args, **kwargs: ran.append(hidden_states) or hidden_states)
 
-    class Block:  # what install's forward reads before it decides: the layers
+    class Block:  # what the patched forward reads before it decides: the layers
         layers = [object(), object()]
 
     block, hidden = Block(), torch.ones(4, 2, 8)
@@ -62,6 +62,6 @@ def test_a_failed_check_makes_every_block_run_megatrons_forward_with_the_reason(
         job.uninstall()
     why = autograd_check.reason()
     assert ran == [hidden]
-    route = install.last_route(block)
+    route = forward.last_route(block)
     assert (route.copies, route.reason) == (1, why) and "autograd" in why
     assert f"every block runs Megatron's: {why}" in banner

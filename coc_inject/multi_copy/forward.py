@@ -1,0 +1,100 @@
+"""What multi-copy puts in Megatron's place, and the wing object it closes over.
+
+* ``TransformerBlock.forward`` (:func:`wrap`): the call as copies (block.py), split as
+  :meth:`MultiCopy.split` decides, or Megatron's forward with the reason; counted either way.
+* ``GlobalMemoryBuffer.get_tensor`` (:func:`per_copy_get_tensor`): a name per copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+
+from coc_inject import job, log
+from coc_inject.config import AUTO
+from coc_inject.multi_copy import auto, block as copies_block, scheduler, splits
+from coc_inject.routes import CopiesRoute
+
+AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
+
+
+class MultiCopy:
+    """The multi-copy wing in one installation: its copy count, the split of a block call and the
+    routes counted."""
+
+    def __init__(self, installation, unsupported: str | None):
+        """``unsupported``: why no block may run as copies in this process (autograd_check), or None."""
+        config = installation.config  # frozen: read once, not per block call
+        self.installation = installation
+        self.unsupported = unsupported
+        self.auto = config.multi_copy == AUTO
+        self.copies = auto.AUTO_COPIES[0] if self.auto else config.multi_copy  # auto: the split is checked for the fewest
+        self.linears_auto = config.tunes_linears
+
+    def split(self, block, original, args, kwargs) -> tuple:
+        """``(Split, forward's arguments by name)`` of a block call that runs as copies, else
+        ``(why not, None)``: the block and the call (splits.py), then COC_MULTI_COPY=auto's trials (auto.py)."""
+        reason = self.unsupported or splits.block_reason(block, self.copies)
+        if reason is not None:
+            return reason, None
+        arguments = splits.bind(original, block, args, kwargs)
+        split = splits.plan(block, self.copies, arguments)
+        if isinstance(split, str):
+            return split, None
+        choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.batch)
+        if len(choices) > 1:
+            split = auto.choose(self.installation.tuner(job.MULTI_COPY), block, original, arguments, split, choices)
+        return (AUTO_STEPPED_ASIDE, None) if split is None else (split, arguments)
+
+    def count(self, block, route: CopiesRoute) -> None:
+        _last_routes[block] = route
+        if route.reason is not None and route.reason != AUTO_STEPPED_ASIDE:
+            log.once(("multi-copy", route.reason), logging.WARNING,
+                     f"multi-copy: a TransformerBlock runs without copies: {route.reason}")
+        if route.backward_in_turn is not None:
+            log.once(("multi-copy backward", route.backward_in_turn), logging.WARNING,
+                     f"multi-copy: a TransformerBlock's copies run their backward one after the other (no overlap "
+                     f"there): {route.backward_in_turn}")
+        if self.installation.coverage is not None:
+            self.installation.coverage.count(block, route, None, lambda layer, _: [])
+
+
+def wrap(original, multi_copy: MultiCopy):
+    """The forward put on TransformerBlock: split, run as copies or Megatron's forward, count."""
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        split, arguments = multi_copy.split(self, original, args, kwargs)
+        if isinstance(split, str):  # why not
+            multi_copy.count(self, CopiesRoute(1, len(self.layers), split))
+            return original(self, *args, **kwargs)
+        output, in_turn = copies_block.copies_call(self, original, arguments, split)
+        multi_copy.count(self, CopiesRoute(split.copies, len(self.layers), None, in_turn))
+        return output
+
+    return forward
+
+
+def per_copy_get_tensor(original):
+    """Megatron's global memory buffer hands every caller of a name the same memory (the
+    sequence-parallel all-gather's output, for one): a copy gets its own, or the other copy would
+    overwrite it while a collective writes it or a matmul reads it. In the backward too (the copy of
+    the running node), so that no copy's buffer is shared with a collective another copy left in
+    flight."""
+
+    @functools.wraps(original)
+    def get_tensor(self, tensor_shape, dtype, name, *args, **kwargs):
+        copy = scheduler.current_copy()
+        return original(self, tensor_shape, dtype, name if copy is None else f"{name}@copy{copy}", *args, **kwargs)
+
+    return get_tensor
+
+
+def last_route(block) -> CopiesRoute | None:
+    """The route of ``block``'s last call (tests, the self-test, a user asking), None before its first;
+    kept here, not on Megatron's object."""
+    return _last_routes.get(block)
+
+
+_last_routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> its last call's route

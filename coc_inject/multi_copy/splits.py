@@ -1,0 +1,111 @@
+"""Which TransformerBlock calls run as copies, and how one is cut: :func:`plan` (a :class:`Split`,
+or why not); the call runs as copies in block.py.
+
+A block call splits its micro-batch along the batch dimension (hidden states ``[s, b, h]`` on dim 1,
+with or without sequence parallelism; the mask's and every per-sample input's batch rows with them;
+rotary embeddings shared). A block or a call that copies cannot run exactly runs Megatron's block
+with a reason (:func:`block_reason`, :func:`plan`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+# Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
+# shared by every copy when they hold no batch (rotary embeddings) or refused (plan()).
+BATCH_DIMS = {"hidden_states": 1, "context": 1, "attention_mask": 0, "context_mask": 0, "padding_mask": 0,
+              "attention_bias": 0}
+SHARED = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin", "rotary_pos_cos_sin")
+# Arguments copies cannot take: inference state and packed sequences (Megatron's path, with the reason).
+REFUSED = {"inference_context": "inference", "inference_params": "inference", "sequence_len_offset": "inference",
+           "packed_seq_params": "packed sequences (THD)", "extract_layer_indices": "extract_layer_indices",
+           "dynamic_inference_decode_only": "inference"}
+
+# What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
+WITHOUT_COPIES = ("a micro-batch not divisible by the copies", "dropout > 0", "MoE layers", "packed sequences",
+                  "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
+                  "a torch whose autograd the copies' backward cannot rely on (checked at install)")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How one call is cut: the copies' sizes along the batch and which arguments are cut."""
+
+    copies: int
+    batch: int
+    cut: tuple  # names of the arguments cut along their batch dimension
+    chunk_linears: bool = True  # False: COC_PARALLEL_NUM=auto's linears run Megatron's path in the copies
+
+    @property
+    def sizes(self) -> list:
+        return [self.batch // self.copies] * self.copies
+
+
+def block_reason(block, copies: int) -> str | None:
+    """Why ``block`` cannot run as copies at all (whatever the call), or None."""
+    config = block.config
+    if block.training and (config.hidden_dropout > 0 or config.attention_dropout > 0):
+        return (f"dropout > 0 (hidden {config.hidden_dropout}, attention {config.attention_dropout}): the copies would "
+                "draw their masks in another order")
+    for flag in ("fp8", "fp4", "cpu_offloading"):
+        if getattr(config, flag, None):
+            return f"{flag} is on"
+    if getattr(config, "enable_cuda_graph", False) or getattr(config, "cuda_graph_impl", "none") not in ("none", None):
+        return "CUDA graphs are on"
+    for layer in block.layers:
+        if "MoE" in type(getattr(layer, "mlp", None)).__name__:
+            return "MoE layers (routing statistics and the aux loss are per batch)"
+    return None
+
+
+def plan(block, copies: int, arguments: dict) -> Split | str:
+    """The split of one call (``arguments``: forward's arguments by name), or why not."""
+    for name, why in REFUSED.items():
+        value = arguments.get(name)
+        if value is not None and not (name == "extract_layer_indices" and not value):
+            return f"{why} ({name} given)"
+    hidden = arguments.get("hidden_states")
+    if not block.pre_process:
+        hidden = block.input_tensor
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        return "the hidden states are not one [s, b, h] tensor"
+    batch = hidden.shape[1]
+    if batch % copies:
+        return f"micro-batch {batch} is not divisible by {copies} copies"
+    cut = []
+    for name, value in arguments.items():
+        if name in ("self", "hidden_states") or value is None:
+            continue
+        dim = BATCH_DIMS.get(name)
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return f"{name} requires grad (its gradient would not reach it through the copies)"
+            rows = value.shape[dim] if dim is not None and value.dim() > dim else None
+            if rows == batch:
+                cut.append(name)
+            elif rows not in (None, 1):
+                return f"{name} has {rows} rows for micro-batch {batch}"
+            elif dim is None and name not in SHARED:
+                return f"an argument coc-inject does not know how to split ({name})"
+        elif name not in BATCH_DIMS and name not in SHARED and name not in REFUSED and not _plain(value):
+            return f"an argument coc-inject does not know how to split ({name})"
+    return Split(copies, batch, tuple(cut))
+
+
+def _plain(value) -> bool:
+    return isinstance(value, (bool, int, float, str, type(None)))
+
+
+def bind(original, block, args, kwargs) -> dict:
+    """forward's arguments by name (``self`` left out), defaults included."""
+    bound = inspect.signature(original).bind(block, *args, **kwargs)
+    bound.apply_defaults()
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    extra = arguments.pop("kwargs", None)
+    if extra:
+        arguments.update(extra)
+    return arguments
