@@ -59,6 +59,12 @@ class MoECall:
     def experts(self):
         return self.layer.experts
 
+    def look_up(self, hidden_states) -> None:
+        """COC_MOE_OVERLAP=auto: this shape's choice if decided, else DECIDING (in the experts' place)."""
+        self.key = auto.key_of(self.layer, hidden_states)
+        decided = self.installation.tuner(MOE).decisions.get(self.key)
+        self.chunks = DECIDING if decided is None else decided.choice
+
     def take_counts(self, host_tokens_per_expert) -> None:
         """The counts counts.riding sent along with Megatron's, now on the host."""
         self.tokens_per_expert, self.sent, self.received = counts.split(self.dispatcher, host_tokens_per_expert)
@@ -121,9 +127,7 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
             call = MoECall(installation, self, chunks or chunks_per_expert(self.token_dispatcher.num_local_experts),
                            megatron_middle)
             if deciding:
-                call.key = auto.key_of(self, hidden_states)
-                decided = installation.tuner(MOE).decisions.get(call.key)
-                call.chunks = DECIDING if decided is None else decided.choice
+                call.look_up(hidden_states)
                 if call.chunks == auto.MEGATRON:
                     call, reason = None, AUTO_CHOSE_MEGATRON
         scope = _current.set(call)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from coc_inject import job
 from coc_inject.moe import calls, stages
-from coc_inject.moe.calls import AUTO_CHOSE_MEGATRON, MOE, chunks_per_expert  # noqa: F401 (the wing's names)
 
 
 def install(config, moe_layer_module, chunks: int | None = None) -> None:

@@ -63,7 +63,7 @@ def tune_rank(targets, config, dtype, device, ep: int) -> dict:
             x = torch.randn(target.tokens, 1, target.hidden, dtype=dtype, device=device, requires_grad=True)
             out, _ = layer(x)
             out.backward(torch.ones_like(out))
-        decisions = dict(job.current().decisions(install.MOE))
+        decisions = dict(job.current().decisions(job.MOE))
     finally:
         job.uninstall()
     return {"decisions": decisions,

@@ -246,7 +246,7 @@ def slow_pieces_trials(seconds: float) -> None:
 def auto_case(slow_ranks=(), **case):
     """layer_case with COC_MOE_OVERLAP=auto (``slow_ranks``: whose pieces trials are slowed), and the
     decision the layer's tuner made."""
-    from coc_inject.moe import auto, install
+    from coc_inject.moe import auto
 
     choose = auto.choose
     if dist.get_rank() in slow_ranks:
@@ -255,7 +255,7 @@ def auto_case(slow_ranks=(), **case):
         result = layer_case(coc={"moe_overlap": "auto"}, **case)
     finally:
         auto.choose = choose
-    decisions = job.current().decisions(install.MOE)
+    decisions = job.current().decisions(job.MOE)
     result["decisions"] = [(key.text(), d.choice, d.source) for key, d in decisions.items()]
     return result
 

@@ -5,7 +5,7 @@ issued in the same order on every rank, each one's splits matching its peers'.""
 import pytest
 
 from coc_inject.config import AUTO
-from coc_inject.moe.install import AUTO_CHOSE_MEGATRON
+from coc_inject.moe.calls import AUTO_CHOSE_MEGATRON
 from tests.dist_harness import RankPool
 from tests.scope import newest_only
 

@@ -116,7 +116,7 @@ def rank_work(args, device) -> list | None:
                             yield
                     finally:
                         if name == "auto":
-                            auto_choice[0] = next(iter(job.current().decisions(install.MOE).values()), None)
+                            auto_choice[0] = next(iter(job.current().decisions(job.MOE).values()), None)
                         job.uninstall()
                 return installed
 
