@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from coc_inject import job
 from coc_inject.context_parallel import attention
 
 BASELINE = "ring"
@@ -70,3 +71,9 @@ def choose(tuner, plan, query, key, value, causal: bool, tp: int, kernel):
 
     name = tuner.decide(decision_key, plan.cp_group, query.device, list(by_name), BASELINE, trial, group_name="CP")
     return by_name[name]
+
+
+def decisions() -> dict:
+    """COC_CP_ALGO=auto's decisions of this process so far: {AttentionKey: Decision}."""
+    installation = job.current()
+    return dict(installation.decisions(job.ATTENTION)) if installation is not None else {}

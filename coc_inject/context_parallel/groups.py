@@ -3,12 +3,14 @@
 ``new_group`` is collective over the whole world, so a group made lazily in a forward that
 pipeline stages reach at different times would hang. When Megatron's
 ``hierarchical_context_parallel_sizes`` gives them, its own level-1 groups are used; otherwise
-they are made right after ``initialize_model_parallel`` (install.py wraps it), for every
+they are made right after ``initialize_model_parallel`` (:func:`making_configured` wraps it), for every
 context-parallel group of the job, in the same order on every rank: consecutive CP ranks, as
 Megatron's hierarchical groups are.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch.distributed as dist
 
@@ -53,3 +55,26 @@ def release() -> None:
         except (ValueError, RuntimeError, AssertionError):
             pass  # the default group, and with it every group, is already gone
     _made.clear()
+
+
+def making_configured(original_init, degree: int | None, parallel_state):
+    """Megatron's ``initialize_model_parallel``, then :func:`make_configured` (every rank passes)."""
+
+    @functools.wraps(original_init)
+    def initialize_model_parallel(*args, **kwargs):
+        result = original_init(*args, **kwargs)
+        make_configured(degree, parallel_state)
+        return result
+
+    return initialize_model_parallel
+
+
+def releasing(original_destroy):
+    """Megatron's ``destroy_model_parallel``, after :func:`release`."""
+
+    @functools.wraps(original_destroy)
+    def destroy_model_parallel(*args, **kwargs):
+        release()
+        return original_destroy(*args, **kwargs)
+
+    return destroy_model_parallel

@@ -67,7 +67,7 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int, forward_only_too
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from coc_inject.context_parallel import groups, install
+    from coc_inject.context_parallel import auto, groups, install
     from coc_inject.tuning.online import hardware_identity
 
     groups.make_configured(config.cp_ulysses_degree, parallel_state)
@@ -94,7 +94,7 @@ def tune_rank(targets, config, dtype, device, tp: int, cp: int, forward_only_too
             inputs = [t.requires_grad_(True) for t in (q, k, v)]
             out = layer(*inputs, None)
             out.backward(torch.ones_like(out))
-        decisions = install.auto_decisions()
+        decisions = auto.decisions()
     finally:
         install.uninstall()
         groups.release()

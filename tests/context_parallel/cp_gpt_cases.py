@@ -19,7 +19,7 @@ from coc_inject import job
 from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
 from coc_inject.bench.saved import SavedBytes
 from coc_inject.config import CocConfig
-from coc_inject.context_parallel import groups, install, layout
+from coc_inject.context_parallel import auto, groups, install, layout
 from tests.dist_harness import reinitialize_model_parallel
 
 SEED = 1234
@@ -187,7 +187,7 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
     algorithms = sorted({plan.describe() for plan in plans})
     kernels = sorted({choice.name for plan in plans for choice in plan.kernels.values()})
     decisions = [{"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
-                 for key, d in install.auto_decisions().items()]
+                 for key, d in auto.decisions().items()]
     return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "algorithms": algorithms, "kernels": kernels, "decisions": decisions,
             "cp_ranks": list(parallel_state.get_context_parallel_global_ranks())}
