@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's coc_inject
-from coc_inject.bench.ranks import free_port  # noqa: E402
+from coc_inject.testbed.ranks import free_port  # noqa: E402
 
 TARGET_US = 1.0
 

@@ -7,7 +7,7 @@ side by side (equal within 1e-5), the step times, and each shape's chosen chunk 
 Part 1 runs over loopback, where the two ranks share two cores and overlap cannot pay: auto
 should find that out and step aside (Megatron's own path). Part 2, where an emulated link can
 be set up (root, `ip` and `tc`), runs the same comparison with the two ranks as two single-rank
-"nodes" in network namespaces joined by a rate-limited link (coc_inject.bench.link), with a model
+"nodes" in network namespaces joined by a rate-limited link (coc_inject.testbed.link), with a model
 sized so communication matters (LINK_MODEL: 4096 rows per step); otherwise one line says why it
 is skipped.
 
@@ -211,7 +211,7 @@ def cp_loopback(workdir, steps, algorithm, tp2) -> tuple[bool, dict]:
 
 
 def cp_link(cp1, rate, steps, algorithms, rounds) -> bool:
-    from coc_inject.bench.link import EmulatedLink, LinkError
+    from coc_inject.testbed.link import EmulatedLink, LinkError
 
     title = f"Part 4: context parallelism over an emulated {rate} link"
     try:
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
 
     ok = True
     if args.part == "copies":
-        from coc_inject.bench.link import EmulatedLink
+        from coc_inject.testbed.link import EmulatedLink
 
         with tempfile.TemporaryDirectory() as workdir, EmulatedLink(args.link_rate) as link:
             return 0 if copies_runs(f"multi-copy over the emulated {args.link_rate} link", workdir, link, LINK_STEPS,
@@ -322,7 +322,7 @@ def main(argv=None) -> int:
 
 def moe_parts(args) -> bool:
     """Part 5 over the emulated link where it can be set up, else over loopback (saying why)."""
-    from coc_inject.bench.link import EmulatedLink, LinkError
+    from coc_inject.testbed.link import EmulatedLink, LinkError
 
     with tempfile.TemporaryDirectory() as workdir:
         try:
@@ -348,7 +348,7 @@ def coc_parts(args) -> bool:
     if args.no_link:
         print("\nPart 2 skipped: --no-link")
         return ok
-    from coc_inject.bench.link import EmulatedLink, LinkError
+    from coc_inject.testbed.link import EmulatedLink, LinkError
 
     try:
         EmulatedLink.check_available()

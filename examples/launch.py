@@ -1,7 +1,7 @@
 """Launch an example under torchrun the way a user would: CoC only through the environment.
 
 ``torchrun(...)`` runs ``RANKS`` local CPU ranks with ``--standalone``. With ``link`` (a
-:class:`coc_inject.bench.link.EmulatedLink`) it instead starts one single-rank torchrun per
+:class:`coc_inject.testbed.link.EmulatedLink`) it instead starts one single-rank torchrun per
 network namespace, like a two-node job (``--nnodes 2 --node-rank r``), each pinned to its own
 core and talking over the rate-limited veth pair.
 """

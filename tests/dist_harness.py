@@ -12,13 +12,12 @@ never calls it (a test checks the source).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import multiprocessing
 import os
 import traceback
 
-from coc_inject.bench.ranks import free_port, rank_context, without_coc_variables
+from coc_inject.testbed.ranks import free_port, rank_context, without_coc_variables
 
 
 def _resolve(path: str):
@@ -55,27 +54,12 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     dist.destroy_process_group()
 
 
-@contextlib.contextmanager
 def cpu_streams():
     """Test-only, on a worker: Megatron's DDP (0.17+) orders its communication against torch.cuda's
-    streams; on the CPU there is nothing to order (every stream call does nothing)."""
-    import torch
+    streams; on the CPU there is nothing to order (coc_inject.testbed.cpu; torch only on the worker)."""
+    from coc_inject.testbed.cpu import cpu_streams as inert_streams
 
-    class Stream:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def __getattr__(self, name):  # wait_stream, wait_event, record_event
-            return lambda *args, **kwargs: None
-
-    saved = {name: getattr(torch.cuda, name) for name in ("Stream", "stream", "current_stream")}
-    torch.cuda.Stream, torch.cuda.stream = Stream, lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(torch.cuda, name, value)
+    return inert_streams()
 
 
 def reinitialize_model_parallel(**kwargs) -> None:

@@ -1,13 +1,13 @@
 """CPU shims for Megatron-LM's own ``pretrain_gpt.py`` (core_v0.19) on CPU ranks with gloo.
 
 Megatron's training loop assumes CUDA; each shim below is what its code needs to run on the CPU,
-with a comment saying which code needs it. They are this benchmark's, never coc-inject's (which
-runs unchanged, from its bootstrap on PYTHONPATH), and both runs -- coc-inject off and on -- get
-the same shims. ``apply()`` before Megatron's training code runs (run_pretrain.py).
+with a comment saying which code needs it. They are this benchmark's, never applied by coc-inject
+(which runs unchanged, from its bootstrap on PYTHONPATH); the streams and split sizes are the test
+bed's (coc_inject.testbed.cpu), the copy the bench, self-test and tests use. Both runs -- coc-inject
+off and on -- get the same shims. ``apply()`` before Megatron's training code runs (run_pretrain.py).
 """
 
 import atexit
-import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -20,7 +20,11 @@ import typing
 
 import torch
 import torch._dynamo
-import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the checkout's coc_inject (hooks nothing)
+from coc_inject.testbed.cpu import gloo_split_lists, replace_streams  # noqa: E402  (the one copy of these shims)
+
+del sys.path[0]  # the checkout's other folders (tests/, ...) must not shadow Megatron-LM's
 
 CPU = torch.device("cpu")
 
@@ -102,29 +106,10 @@ class _CudaOnCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Event:
-    def synchronize(self):
-        pass
-
-
-class _Stream:
-    """The alltoall dispatcher copies its split counts to the host on a side stream
-    (``wait_stream``, ``record_event().synchronize()``); on the CPU there is nothing to wait for."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def record_event(self, *args, **kwargs):
-        return _Event()
-
-    def wait_stream(self, *args, **kwargs):
-        pass
-
-
 def _streams() -> None:
-    torch.cuda.Stream = _Stream
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    # The alltoall dispatcher copies its split counts to the host on a side stream (wait_stream,
+    # record_event().synchronize()): on the CPU there is nothing to wait for.
+    replace_streams()
 
 
 def _rng() -> None:
@@ -144,13 +129,7 @@ def _rng() -> None:
 def _collectives() -> None:
     # The alltoall dispatcher hands its split sizes to all_to_all_single as tensors (the host copy
     # it makes on CUDA is skipped on the CPU); gloo takes lists.
-    original = dist.all_to_all_single
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
-        return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
-
-    dist.all_to_all_single = all_to_all_single
+    gloo_split_lists()
 
 
 def _dataset_helpers() -> None:

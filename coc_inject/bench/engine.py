@@ -1,4 +1,4 @@
-"""The one runner of every bench case, inside each rank (spawned by coc_inject.bench.ranks).
+"""The one runner of every bench case, inside each rank (spawned by coc_inject.testbed.ranks).
 
 A case hands :func:`measure` its variants as data: ``{name: run}``, Megatron as it is first, where
 ``run()`` makes one call of the variant and returns its pass times ``{"forward": s, "backward": s}``

@@ -3,7 +3,7 @@
 Where it runs:
 * default: 2 local CPU ranks (gloo) over plain loopback;
 * ``--link 1gbit``: the 2 ranks in two network namespaces joined by a rate-limited veth pair,
-  each pinned to its own core (root; see coc_inject.bench.link);
+  each pinned to its own core (root; see coc_inject.testbed.link);
 * under ``torchrun`` (RANK/WORLD_SIZE set): every rank of the job on its device (CUDA/NPU,
   NCCL/HCCL), timed with device events.
 
@@ -22,8 +22,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from coc_inject.bench import cases, ranks
-from coc_inject.bench.link import EmulatedLink, LinkError
+from coc_inject.bench import cases
+from coc_inject.testbed import ranks
+from coc_inject.testbed.link import EmulatedLink, LinkError
 
 CHUNKS_ALLOWED = "an integer >= 1 (a fixed chunk count; 1 = Megatron's path behind the wrapper) or auto"
 DEFAULT_CASES = ("row", "row-sp", "column-sp")

@@ -28,8 +28,7 @@ def run(ctx) -> list:
     import torch
 
     from coc_inject import attention_kernels
-    from coc_inject.bench.cases.attention import variants_for
-    from coc_inject.bench.cases.attention_inputs import schedules, whole_inputs
+    from coc_inject.testbed.attention import schedules, variants_for, whole_inputs
     from coc_inject.context_parallel import layout
     from coc_inject.context_parallel.function import ContextParallelAttention
 

@@ -30,7 +30,7 @@ def megatron_state(ctx, **sizes):
     from megatron.core import parallel_state
 
     from coc_inject import job
-    from coc_inject.bench import ranks
+    from coc_inject.testbed import ranks
 
     if ctx.device.type == "cpu":
         ranks.point_megatron_at_cpu()  # Megatron allocates its SP buffers on the current CUDA device

@@ -25,7 +25,8 @@ def _case(ctx, case, backend) -> dict:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_layer, moe_utils
 
-    from coc_inject.bench.cases.moe import build_moe_layer, cpu_moe_shims
+    from coc_inject.testbed.cpu import cpu_moe_shims
+    from coc_inject.testbed.models import build_moe_layer
     from coc_inject.config import CocConfig
     from coc_inject.moe import install
     from coc_inject.selftest.megatron_cases import against_megatron, main_grads

@@ -48,7 +48,7 @@ def _case(ctx, case, backend) -> dict:
     import torch
     from megatron.core.transformer import transformer_block
 
-    from coc_inject.bench.cases.layer import build_block
+    from coc_inject.testbed.models import build_block
     from coc_inject.config import CocConfig
     from coc_inject.multi_copy import forward as copies_forward, install as copies
 

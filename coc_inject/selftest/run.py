@@ -10,7 +10,7 @@ import platform
 import sys
 
 from coc_inject import __version__
-from coc_inject.bench import ranks
+from coc_inject.testbed import ranks
 
 WINGS = {"linears": "linears", "attention-kernels": "kernels", "context-parallel": "context_parallel",
          "multi-copy": "multi_copy", "moe": "moe"}  # --cases name -> module of coc_inject.selftest

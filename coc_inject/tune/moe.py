@@ -50,7 +50,8 @@ def tune_rank(targets, config, dtype, device, ep: int) -> dict:
     from megatron.core.transformer.moe import moe_layer
 
     from coc_inject import job
-    from coc_inject.bench.cases.moe import build_moe_layer, cpu_moe_shims
+    from coc_inject.testbed.cpu import cpu_moe_shims
+    from coc_inject.testbed.models import build_moe_layer
     from coc_inject.moe import install
     from coc_inject.tuning.online import hardware_identity
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 from coc_inject import job, log
 from coc_inject.linears import install as linears
-from coc_inject.bench import ranks
+from coc_inject.testbed import ranks
 from coc_inject.tune import attention as tune_attention, moe as tune_moe, report as tune_report
-from coc_inject.bench.ranks import Setup
+from coc_inject.testbed.ranks import Setup
 from coc_inject.config import AUTO, ConfigError, load_config, parse_tune_cache, parse_tune_candidates
 from coc_inject.routes import CASE_NAMES, LayerCase
 
@@ -343,7 +343,7 @@ def tune_rank(plan: Plan, device) -> dict | None:
 def _tune_linears(plan, dtype, device) -> dict:
     import torch  # as in tune_rank: only in the ranks
 
-    from coc_inject.bench.cases import linears as layers
+    from coc_inject.testbed.models import LINEARS, build_linear
     from coc_inject.tuning.online import hardware_identity
 
     linears.install(plan.config)
@@ -353,7 +353,7 @@ def _tune_linears(plan, dtype, device) -> dict:
             if (target.case, target.shape) in seen:
                 continue  # same decision key: decided once
             seen.add((target.case, target.shape))
-            layer, x = layers.build_layer(layers.CASES[target.case], *target.shape, dtype, device, target.batch)
+            layer, x = build_linear(LINEARS[target.case], *target.shape, dtype, device, target.batch)
             out, _ = layer(x.requires_grad_(True))
             out.backward(torch.ones_like(out))
             group = layer.tp_group

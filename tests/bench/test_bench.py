@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from coc_inject.bench import link
+from coc_inject.testbed import link
 from coc_inject.bench.cases import linears_figures as report
 
 
@@ -196,7 +196,7 @@ def test_auto_decides_once_before_the_repetitions_and_they_run_its_n(pool2, tmp_
 def test_local_ranks_start_without_coc_variables_and_the_parent_keeps_its_own(monkeypatch):
     import os
 
-    from coc_inject.bench.ranks import without_coc_variables
+    from coc_inject.testbed.ranks import without_coc_variables
 
     monkeypatch.setenv("COC_PARALLEL_NUM", "4")
     monkeypatch.setenv("USE_COC_FUSED_KERNEL", "1")
@@ -214,7 +214,7 @@ def _dies_on_rank_1(rank, world, port):
 
 
 def test_a_rank_that_dies_without_answering_stops_the_run_with_its_exit_code():
-    from coc_inject.bench import ranks
+    from coc_inject.testbed import ranks
 
     with pytest.raises(RuntimeError, match="rank 1 exit code 3"):
         ranks.run_local_ranks(_dies_on_rank_1, 2, ranks.free_port())
@@ -226,7 +226,7 @@ def test_local_ranks_are_spawned_where_an_accelerator_is_visible(monkeypatch, cu
     at their first CUDA call (seen on an H200), so with a device the ranks are spawned."""
     import torch
 
-    from coc_inject.bench import ranks
+    from coc_inject.testbed import ranks
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert ranks.rank_context().get_start_method() == method
@@ -237,7 +237,7 @@ def test_local_ranks_start_with_no_cuda_device_where_one_is_visible(monkeypatch)
     compiled router) never meet Megatron's CPU shims (a TypeError on an H200 before)."""
     import torch
 
-    from coc_inject.bench import ranks
+    from coc_inject.testbed import ranks
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")

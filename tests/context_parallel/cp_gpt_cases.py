@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import job
-from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
-from coc_inject.bench.saved import SavedBytes
+from coc_inject.testbed.cpu import CpuLayerNorm
+from coc_inject.testbed.saved import SavedBytes
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import auto, groups, install, layout
 from tests.dist_harness import reinitialize_model_parallel

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import job
-from coc_inject.bench.cases.moe import cpu_moe_shims
-from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
+from coc_inject.testbed.cpu import CpuLayerNorm, cpu_moe_shims
 from coc_inject.config import CocConfig
 from coc_inject.multi_copy.forward import last_route
 from tests.dist_harness import reinitialize_model_parallel

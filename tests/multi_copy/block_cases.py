@@ -32,7 +32,7 @@ def block_call(copies=2, record=False, broken_autograd=False):
     from megatron.core.transformer import transformer_block
 
     from coc_inject import job
-    from coc_inject.bench.cases.layer import build_block
+    from coc_inject.testbed.models import build_block
     from coc_inject.config import CocConfig
 
     world = dist.get_world_size()

@@ -15,10 +15,10 @@ FACTORIES = {"tensor", "as_tensor", "zeros", "empty", "ones", "full", "arange", 
 
 # (module under coc_inject/, enclosing function or "*", why its tensors are built on the CPU)
 CPU_BY_DESIGN = [
-    ("bench/cases/attention_inputs.py", "whole_inputs",
+    ("testbed/attention.py", "whole_inputs",
      "the whole sequence from a seeded CPU generator, the same on every rank; callers move their share"),
     ("bench/cases/flash.py", "block_kernels", "times the CPU flash kernel against the reference, on the CPU"),
-    ("bench/cases/layer.py", "build_block", "the layer bench's block runs on CPU ranks (CpuLayerNorm)"),
+    ("testbed/models.py", "build_block", "the layer bench's block runs on CPU ranks (CpuLayerNorm)"),
     ("selftest/linears.py", "_cases", "a seeded CPU generator's scales, moved by .to(device=...) once multiplied"),
     ("selftest/kernels.py", "_truth", "the float64 truth is computed on the CPU (its inputs moved there first)"),
     ("multi_copy/autograd_check.py", "_run", "the check of torch's autograd runs a tiny graph on the CPU, no collective"),

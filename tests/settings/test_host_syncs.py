@@ -18,6 +18,8 @@ SYNC_FUNCTIONS = {"equal", "allclose", "nonzero", "unique", "masked_select"}
 ALLOWED = [
     ("bench/", "*", "*", "the bench measures (timers, its MAX over ranks, gloo's split lists): no job runs it"),
     ("selftest/", "*", "*", "coc-inject selftest compares against its truth: no job runs it"),
+    ("testbed/cpu.py", "gloo_split_lists.all_to_all_single", "tolist",
+     "the test bed's CPU ranks: gloo takes split sizes as lists; never applied in a job"),
     ("tuning/online.py", "synchronize", "synchronize", "auto's timed trials: once per shape, at its first call"),
     ("tuning/online.py", "Tuner._timed_trials", "tolist", "auto's trial timings, once per shape"),
     ("pipeline/agreement.py", "ensure_same_config", "tolist",

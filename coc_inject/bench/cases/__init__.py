@@ -2,7 +2,7 @@
 and the one report (coc_inject.bench.report).
 
 A new wing adds a case, not a runner: a module here with ``bench(args) -> int`` (its ranks through
-coc_inject.bench.ranks, its variants -- Megatron as it is first, then coc-inject's, and the
+coc_inject.testbed.ranks, its variants -- Megatron as it is first, then coc-inject's, and the
 compute-only twin where exposed communication is asked for -- measured by ``engine.measure``, its
 figures by ``report``), optionally ``add_options(parser)`` for its own flags; then its ``--cases``
 words below.

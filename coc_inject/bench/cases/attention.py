@@ -23,14 +23,15 @@ from __future__ import annotations
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from coc_inject.bench import engine, ranks, report
-from coc_inject.bench.cases import attention_figures as figures, attention_inputs as inputs_of
-from coc_inject.bench.saved import SavedBytes
+from coc_inject.bench import engine, report
+from coc_inject.bench.cases import attention_figures as figures
+from coc_inject.testbed import attention as inputs_of, ranks
+from coc_inject.testbed.attention import Variant, variants_for
+from coc_inject.testbed.saved import SavedBytes
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import blocks, comm, ring
 from coc_inject.context_parallel.auto import BASELINE, AttentionKey
@@ -39,33 +40,6 @@ from coc_inject.tuning.online import Tuner
 
 COMPUTE_ONLY, COMM_ONLY, SDPA, AUTO = "C", "M", "sdpa", "auto"
 TAG = "coc-inject bench attention"
-
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    algorithm: str
-    window: int = 1
-    ulysses: int = 1
-    kernel: str | None = None  # None: the bench's --kernel; "reference": an extra row of --kernel both
-
-    @property
-    def is_ring(self) -> bool:
-        return self.algorithm == "ring" and self.kernel is None
-
-
-def variants_for(cp: int, heads: int, groups: int) -> list:
-    """Every algorithm this shape allows at ``cp``: Ulysses needs heads and key/value groups divisible
-    by its degree; Double-Ring a window strictly between 1 and the ring size."""
-    variants = [Variant("ring", "ring")]
-    if cp >= 4 and cp % 2 == 0:
-        variants.append(Variant("double-ring w=2", "ring", window=2))
-    if heads % cp == 0 and groups % cp == 0:
-        variants.append(Variant("ulysses", "ulysses"))
-    if cp >= 4 and cp % 2 == 0 and heads % 2 == 0 and groups % 2 == 0:
-        variants.append(Variant("hybrid u=2", "hybrid", ulysses=2))
-    variants.append(Variant("allgather", "allgather"))
-    return variants
 
 
 class _Trace:

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from coc_inject.attention_kernels import cpu, reference
-from coc_inject.bench import engine, ranks
-from coc_inject.bench.cases import attention_inputs
-from coc_inject.bench.cases.attention import Variant
+from coc_inject.bench import engine
+from coc_inject.testbed import attention, ranks
+from coc_inject.testbed.attention import Variant
 from coc_inject.bench.report import median_ms, median_ratio
 from coc_inject.context_parallel.function import ContextParallelAttention
 
@@ -105,10 +105,10 @@ def ring_rank(args, device) -> dict | None:
     rank = dist.get_rank()
     if getattr(args, "reference_tile", None):  # the reference kernel in tiles of this size (1 << 30: untiled)
         reference.TILE = args.reference_tile
-    schedule = attention_inputs.schedules(2, [Variant("ring", "ring")], args.head_dim)["ring"]
-    kernel = attention_inputs.kernels(args)[None]
-    inputs = attention_inputs.local_inputs(args, 2, rank)
-    whole = attention_inputs.whole_inputs(args) if rank == 0 else None
+    schedule = attention.schedules(2, [Variant("ring", "ring")], args.head_dim)["ring"]
+    kernel = attention.kernels(args)[None]
+    inputs = attention.local_inputs(args, 2, rank)
+    whole = attention.whole_inputs(args) if rank == 0 else None
 
     def ring():
         leaves = [t.clone().requires_grad_(True) for t in inputs[:3]]
@@ -120,15 +120,15 @@ def ring_rank(args, device) -> dict | None:
         ring_peak = statistics.median(_peak_of(ring, dist.barrier) for _ in range(MEMORY_REPS))
         sdpa_peak = None
         if rank == 0 and getattr(args, "sdpa", True):
-            attention_inputs.sdpa(whole)
-            sdpa_peak = _peak_of(lambda: attention_inputs.sdpa(whole), barrier=lambda: None)
+            attention.sdpa(whole)
+            sdpa_peak = _peak_of(lambda: attention.sdpa(whole), barrier=lambda: None)
         everyone = [None] * 2
         dist.all_gather_object(everyone, ring_peak)
         return {"ring_peak_bytes": everyone, "sdpa_peak_bytes": sdpa_peak} if rank == 0 else None
 
     timer = engine.Timer(device)
     runs = {"ring": lambda: {"fwd_bwd": timer(ring)[1]},  # sdpa: rank 0's, the other rank reports 0
-            "sdpa": lambda: {"fwd_bwd": sum(attention_inputs.sdpa_call(whole))}}
+            "sdpa": lambda: {"fwd_bwd": sum(attention.sdpa_call(whole))}}
     times, _ = engine.measure(runs, args.reps, device=device, tag=TAG, label=f"seq {args.seq} {args.dtype}: ")
     if rank != 0:
         return None

@@ -14,36 +14,10 @@ import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from coc_inject.bench import engine, ranks, report
+from coc_inject.bench import engine, report
+from coc_inject.testbed import ranks
 
 VARIANTS = ("megatron", "coc", "copies", "coc+copies", report.COMPUTE_ONLY)
-
-
-def build_block(args):
-    import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from coc_inject.bench.cpu_layer_norm import CpuLayerNorm
-
-    torch.manual_seed(1234)
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    tp = torch.distributed.get_world_size()
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
-        tensor_model_parallel_size=tp, sequence_parallel=True, params_dtype=torch.float32,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0)
-    spec = get_gpt_layer_local_spec()
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
-    block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * args.layers,
-                                                                layer_norm=CpuLayerNorm))
-    hidden = torch.randn(args.seq // tp, args.batch, args.hidden)
-    mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1)
-    return block, hidden, mask
 
 
 def rank_work(args, device) -> dict | None:
@@ -54,6 +28,7 @@ def rank_work(args, device) -> dict | None:
     from coc_inject.linears import install as linears
     from coc_inject.config import CocConfig
     from coc_inject.multi_copy import install as copies
+    from coc_inject.testbed.models import build_block
 
     block, hidden, mask = build_block(args)
 

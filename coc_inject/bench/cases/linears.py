@@ -17,58 +17,21 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from coc_inject import job
 from coc_inject.linears import install as linears
-from coc_inject.bench import engine, ranks, report, startup
+from coc_inject.bench import engine, report, startup
+from coc_inject.testbed import ranks
+from coc_inject.testbed.models import LINEARS as CASES, LinearCase, build_linear
 from coc_inject.bench.cases import linears_figures as figures
 from coc_inject.config import AUTO, CocConfig
 from coc_inject.pipeline import agreement, collectives, schedules
 from coc_inject.routes import LayerCase
 
-
-@dataclass(frozen=True)
-class BenchCase:
-    name: str
-    kind: str  # "row" | "column"
-    sequence_parallel: bool
-    label: str
-    collective: str  # the forward collective, measured alone for M
-
-
-CASES = {case.name: case for case in (
-    BenchCase(LayerCase.ROW, "row", False, "Row mm+AR", "all_reduce"),
-    BenchCase(LayerCase.ROW_SP, "row", True, "Row SP mm+RS", "reduce_scatter"),
-    BenchCase(LayerCase.COLUMN_SP, "column", True, "Column SP AG+mm", "all_gather"),
-    BenchCase(LayerCase.COLUMN_BWD, "column", False, "Column dgrad+AR (bwd)", "none"))}
-DEFAULT_CASES = (LayerCase.ROW, LayerCase.ROW_SP, LayerCase.COLUMN_SP)
 AUTO_VARIANT = "auto"
-
-
-def build_layer(case: BenchCase, m: int, k: int, n: int, dtype, device, batch: int = 1):
-    """Layer whose forward matmul is [m, k] x [k, n] on each rank (k, n: per-rank sizes), and its
-    input ``[m / batch, batch, k]`` (Column SP: this rank's shard). [m, k, n] is the shape the
-    engine keys ``customized_coc`` and ``auto`` decisions by."""
-    from megatron.core import parallel_state  # Megatron: not imported by --help and argument errors
-    from megatron.core.model_parallel_config import ModelParallelConfig
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=case.sequence_parallel,
-                                 use_cpu_initialization=True, params_dtype=dtype, gradient_accumulation_fusion=False)
-    init = torch.nn.init.xavier_normal_
-    if case.kind == "row":
-        layer = RowParallelLinear(k * tp, n, config=config, init_method=init, bias=False, input_is_parallel=True,
-                                  skip_bias_add=True)
-        rows = m
-    else:
-        layer = ColumnParallelLinear(k, n * tp, config=config, init_method=init, bias=False)
-        rows = m // tp if case.sequence_parallel else m
-    return layer.to(device), torch.randn(rows // batch, batch, k, dtype=dtype, device=device)
 
 
 def _install(variant: str, layer=None, auto=None) -> None:
@@ -89,7 +52,7 @@ def _install(variant: str, layer=None, auto=None) -> None:
         agreement.ensure_same_config(layer.tp_group, job.current().config, layer.weight.device)
 
 
-def _comm_only(case: BenchCase, layer, x, group):
+def _comm_only(case: LinearCase, layer, x, group):
     """The forward collective alone, on buffers of its size (None: the case has none)."""
     tp, rows = group.size(), x.shape[0] * x.shape[1]
     if case.collective == "all_reduce":
@@ -125,9 +88,9 @@ def decide_auto(layer, x, config) -> tuple:
                    "times_ms": {str(c): t for c, t in sorted(decision.times_ms.items())}, "noise_ms": decision.noise_ms}
 
 
-def measure_case(case: BenchCase, *, m, k, n, dtype, device, chunks, reps, warmup=1, tune_cache=None) -> dict:
+def measure_case(case: LinearCase, *, m, k, n, dtype, device, chunks, reps, warmup=1, tune_cache=None) -> dict:
     """``chunks``: chunk counts and/or ``"auto"``; ``tune_cache``: the auto variant's (fresh) cache."""
-    layer, x = build_layer(case, m, k, n, dtype, device)
+    layer, x = build_linear(case, m, k, n, dtype, device)
     timer = engine.Timer(device)
     fixed = [c for c in chunks if c != AUTO_VARIANT]
     auto, decided = None, None
@@ -203,7 +166,7 @@ def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int =
     with the collective launch stubbed out, minus one chunk's matmul); ``collective_launch_us``, the
     backend's cost to start one async collective, which every extra chunk also pays; their sum."""
     def forward_time(chunks):
-        layer, x = build_layer(CASES[LayerCase.ROW], rows_per_chunk * chunks, 32, 32, dtype, device)
+        layer, x = build_linear(CASES[LayerCase.ROW], rows_per_chunk * chunks, 32, 32, dtype, device)
         _install(f"N={chunks}")
         try:
             layer(x)  # the one-time config agreement happens here, with the real collective

@@ -2,7 +2,7 @@
 (alltoall dispatcher, SequentialMLP experts, top-k): Megatron's dispatcher, the pieces at each chunk
 count per local expert that auto tries, auto, and the compute-only twin (the tokens' all-to-alls no-ops) -- C, M, the limit max(C, M), each variant's
 share of it and of M hidden (coc_inject.bench.report), auto against the best fixed count. On CPU
-ranks, Megatron's MoE code needs the CPU shims of :func:`cpu_moe_shims` (never applied in a user's job).
+ranks, Megatron's MoE code needs the CPU shims of coc_inject.testbed.cpu (never applied in a user's job).
 
     coc-inject bench --cases moe [--link 1gbit] [--ep 2] [--local-experts 1 2 4] [--reps 5]
 """
@@ -12,65 +12,13 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from coc_inject.bench import engine, ranks, report
+from coc_inject.bench import engine, report
+from coc_inject.testbed import ranks
 from coc_inject.moe.auto import CHUNKS
-
-
-def cpu_moe_shims() -> None:
-    """Megatron's alltoall dispatcher on CPU ranks: its side stream for the split counts' device-to-
-    host copies made inert, and the split sizes (tensors there, without the copy) handed to gloo as lists."""
-    import torch
-    import torch.distributed as dist
-
-    class _Event:
-        def synchronize(self):
-            pass
-
-    class _Stream:
-        def __init__(self, *args, **kwargs):
-            pass
-
-        def record_event(self, *args, **kwargs):
-            return _Event()
-
-        def wait_stream(self, *args, **kwargs):
-            pass
-
-    torch.cuda.Stream = _Stream
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
-    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
-    if getattr(dist.all_to_all_single, "_splits_as_lists", False):
-        return
-    original = dist.all_to_all_single
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
-        return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes), *args, **kwargs)
-
-    all_to_all_single._splits_as_lists = True
-    dist.all_to_all_single = all_to_all_single
 
 
 def variants() -> tuple:
     return ("megatron", *(f"pieces c={c}" for c in CHUNKS), "auto", report.COMPUTE_ONLY)
-
-
-def build_moe_layer(hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype=None):
-    """A megatron-core MoE layer (local spec: alltoall dispatcher, SequentialMLP experts)."""
-    import torch
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    dtype = dtype or torch.float32
-    config = TransformerConfig(
-        num_layers=1, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=ffn,
-        num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=ep, moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe_router_pre_softmax=topk == 1)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
-    return spec(config=config) if callable(spec) else build_module(spec, config=config)
 
 
 def rank_work(args, device) -> list | None:
@@ -84,6 +32,8 @@ def rank_work(args, device) -> list | None:
     from coc_inject import job
     from coc_inject.config import CocConfig
     from coc_inject.moe import install
+    from coc_inject.testbed.cpu import cpu_moe_shims
+    from coc_inject.testbed.models import build_moe_layer
 
     if device.type == "cpu":
         cpu_moe_shims()

@@ -1,12 +1,14 @@
-"""What one benchmarked attention call takes: each variant's schedule over the local ranks, the
-inputs (whole sequence and this rank's rows in Megatron's CP layout), the block kernels, and the
-yardstick -- ``scaled_dot_product_attention`` on the whole sequence in one process. Used by the
-attention and flash cases."""
+"""What one measured attention call takes: the algorithms a shape allows (its variants), each
+variant's schedule over the local ranks, the inputs (whole sequence and this rank's rows in
+Megatron's CP layout), the block kernels, and the yardstick -- ``scaled_dot_product_attention``
+on the whole sequence in one process. Used by the bench's attention and flash cases and the
+self-test."""
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,33 @@ from coc_inject import attention_kernels
 from coc_inject.attention_kernels import reference
 from coc_inject.context_parallel import layout
 from coc_inject.context_parallel.schedule import make_schedule
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    algorithm: str
+    window: int = 1
+    ulysses: int = 1
+    kernel: str | None = None  # None: the bench's --kernel; "reference": an extra row of --kernel both
+
+    @property
+    def is_ring(self) -> bool:
+        return self.algorithm == "ring" and self.kernel is None
+
+
+def variants_for(cp: int, heads: int, groups: int) -> list:
+    """Every algorithm this shape allows at ``cp``: Ulysses needs heads and key/value groups divisible
+    by its degree; Double-Ring a window strictly between 1 and the ring size."""
+    variants = [Variant("ring", "ring")]
+    if cp >= 4 and cp % 2 == 0:
+        variants.append(Variant("double-ring w=2", "ring", window=2))
+    if heads % cp == 0 and groups % cp == 0:
+        variants.append(Variant("ulysses", "ulysses"))
+    if cp >= 4 and cp % 2 == 0 and heads % 2 == 0 and groups % 2 == 0:
+        variants.append(Variant("hybrid u=2", "hybrid", ulysses=2))
+    variants.append(Variant("allgather", "allgather"))
+    return variants
 
 
 def schedules(cp: int, variants: list, dim: int) -> dict:

@@ -1,7 +1,7 @@
 """Where the ranks of ``coc-inject bench``, ``tune``, ``selftest`` and ``make bench-flash`` run.
 
 A few local CPU processes over gloo, forked from one server that imported torch once (plain loopback, or the emulated link of
-coc_inject.bench.link), or, under torchrun, this process on its rank's device. A frozen
+coc_inject.testbed.link), or, under torchrun, this process on its rank's device. A frozen
 :class:`Setup` says where and how; a run's work is ``work(payload, device)`` with a payload of
 its own that the launcher only carries. Megatron's parallel state is initialised here for the
 bench and tune. Nothing here writes to the caller's arguments or, for good, to its environment.
@@ -18,7 +18,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from coc_inject.bench import link as link_module
+from coc_inject.testbed import link as link_module
 
 COC_PREFIXES = ("COC_", "USE_COC_")
 LINK_PORT = 29500  # the rendezvous port on the emulated link's own address: any port is free there

@@ -1,0 +1,95 @@
+"""The megatron-core layers that the bench, the self-test and tune measure and check on: one
+tensor-parallel linear per layer case (:data:`LINEARS`, :func:`build_linear`), a TransformerBlock
+(:func:`build_block`) and an MoE layer (:func:`build_moe_layer`). Megatron is imported when a layer
+is built (the commands' ``--help`` and argument errors come without it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from coc_inject.routes import LayerCase
+from coc_inject.testbed.cpu import CpuLayerNorm
+
+
+@dataclass(frozen=True)
+class LinearCase:
+    name: str
+    kind: str  # "row" | "column"
+    sequence_parallel: bool
+    label: str
+    collective: str  # the forward collective, measured alone for M
+
+
+LINEARS = {case.name: case for case in (
+    LinearCase(LayerCase.ROW, "row", False, "Row mm+AR", "all_reduce"),
+    LinearCase(LayerCase.ROW_SP, "row", True, "Row SP mm+RS", "reduce_scatter"),
+    LinearCase(LayerCase.COLUMN_SP, "column", True, "Column SP AG+mm", "all_gather"),
+    LinearCase(LayerCase.COLUMN_BWD, "column", False, "Column dgrad+AR (bwd)", "none"))}
+
+
+def build_linear(case: LinearCase, m: int, k: int, n: int, dtype, device, batch: int = 1):
+    """Layer whose forward matmul is [m, k] x [k, n] on each rank (k, n: per-rank sizes), and its
+    input ``[m / batch, batch, k]`` (Column SP: this rank's shard). [m, k, n] is the shape the
+    engine keys ``customized_coc`` and ``auto`` decisions by."""
+    from megatron.core import parallel_state  # Megatron: not imported by --help and argument errors
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=case.sequence_parallel,
+                                 use_cpu_initialization=True, params_dtype=dtype, gradient_accumulation_fusion=False)
+    init = torch.nn.init.xavier_normal_
+    if case.kind == "row":
+        layer = RowParallelLinear(k * tp, n, config=config, init_method=init, bias=False, input_is_parallel=True,
+                                  skip_bias_add=True)
+        rows = m
+    else:
+        layer = ColumnParallelLinear(k, n * tp, config=config, init_method=init, bias=False)
+        rows = m // tp if case.sequence_parallel else m
+    return layer.to(device), torch.randn(rows // batch, batch, k, dtype=dtype, device=device)
+
+
+def build_block(args):
+    """A TransformerBlock of ``args.layers`` GPT layers (local spec, CpuLayerNorm), TP = the world with sequence
+    parallelism, and its input (this rank's rows) and causal mask, on the CPU."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(1234)
+    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tp = torch.distributed.get_world_size()
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
+        tensor_model_parallel_size=tp, sequence_parallel=True, params_dtype=torch.float32,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec()
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
+    block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * args.layers,
+                                                                layer_norm=CpuLayerNorm))
+    hidden = torch.randn(args.seq // tp, args.batch, args.hidden)
+    mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1)
+    return block, hidden, mask
+
+
+def build_moe_layer(hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype=None):
+    """A megatron-core MoE layer (local spec: alltoall dispatcher, SequentialMLP experts); on CPU ranks with
+    :func:`coc_inject.testbed.cpu.cpu_moe_shims` applied."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = dtype or torch.float32
+    config = TransformerConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=ffn,
+        num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=ep, moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe_router_pre_softmax=topk == 1)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    return spec(config=config) if callable(spec) else build_module(spec, config=config)
