@@ -34,10 +34,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from coc_inject import bootstrap
+from coc_inject import bootstrap, meter
 from coc_inject.bootstrap import bootstrap_dir
 
 SITE_DIR = bootstrap_dir()
@@ -101,12 +100,12 @@ def run_once(python: str, env: dict[str, str]) -> tuple[float, float]:
     load on the machine than wall time.
     """
     c0 = _children_cpu_s()
-    t0 = time.perf_counter_ns()
+    t0 = meter.now()
     proc = subprocess.run(
         [python, "-c", "pass"], env=env, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
-    elapsed = (time.perf_counter_ns() - t0) / 1e6
+    elapsed = (meter.now() - t0) * 1e3
     cpu = (_children_cpu_s() - c0) * 1e3
     if proc.returncode != 0 or proc.stderr:
         raise SystemExit(

@@ -16,6 +16,7 @@ import time
 from enum import Enum
 from typing import Callable, Sequence
 
+from coc_inject import meter
 from coc_inject.pipeline.collectives import wait_all
 
 _tracer = None  # inside traced() only (the bench's timeline); None in normal runs
@@ -79,7 +80,7 @@ def run_comm_first(
 class TimelineTracer:
     """Records when each chunk's matmul ran and when its collective was issued and completed.
 
-    Host clock (``time.perf_counter``); completion comes from the work's future callback, so
+    Host clock (coc_inject.meter); completion comes from the work's future callback, so
     it is when the backend finished, not when the schedule got round to waiting. On GPUs the
     host times show launches, not kernel execution.
     """
@@ -100,19 +101,17 @@ class TimelineTracer:
         events, pollers = self.events, self._pollers
 
         def traced_compute(start, stop, *rest):
-            begin = time.perf_counter()
-            result = compute(start, stop, *rest)
-            events.append(("compute", start, begin, time.perf_counter()))
-            return result
+            with meter.span(events, "compute", start):
+                return compute(start, stop, *rest)
 
         def traced_communicate(start, stop, *rest):
-            begin = time.perf_counter()
+            begin = meter.now()
             handle = communicate(start, stop, *rest)
-            events.append(("launch", start, begin, time.perf_counter()))
+            events.append(("launch", start, begin, meter.now()))
             record = ["comm", start, begin, None]
             events.append(record)
             try:
-                handle.get_future().add_done_callback(lambda _: record.__setitem__(3, time.perf_counter()))
+                handle.get_future().add_done_callback(lambda _: record.__setitem__(3, meter.now()))
             except (AttributeError, RuntimeError):  # e.g. gloo reduce-scatter has no future: poll
                 poller = threading.Thread(target=_poll_completion, args=(handle, record), daemon=True)
                 poller.start()
@@ -134,7 +133,7 @@ class _WaitRecorded:
     def wait(self, *args, **kwargs):
         result = self._handle.wait(*args, **kwargs)
         if self._record[3] is None:
-            self._record[3] = time.perf_counter()
+            self._record[3] = meter.now()
         return result
 
     def __getattr__(self, name):
@@ -145,4 +144,4 @@ def _poll_completion(handle, record) -> None:
     while record[3] is None and not handle.is_completed():
         time.sleep(0.0002)
     if record[3] is None:
-        record[3] = time.perf_counter()
+        record[3] = meter.now()

@@ -1,0 +1,27 @@
+"""The host clock of everything that records when something happened: timestamps and spans.
+
+``now()`` is the one clock (seconds, monotonic, high resolution); :func:`span` records how long a
+block ran as ``(*labels, begin, end)`` into a list. The pipeline's traced timeline
+(pipeline/schedules.py) and the bench's traces of the ring (bench/cases/attention.py) record with
+it; durations to compare (medians, MAX over ranks) are coc_inject.timer's. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+
+def now() -> float:
+    """The host clock, in seconds (only differences mean anything)."""
+    return time.perf_counter()
+
+
+@contextmanager
+def span(into: list, *labels):
+    """Appends ``(*labels, begin, end)`` to ``into`` once the block has run (also after an error)."""
+    begin = now()
+    try:
+        yield
+    finally:
+        into.append((*labels, begin, now()))
