@@ -5,43 +5,20 @@ A case hands :func:`measure` its variants as data: ``{name: run}``, Megatron as 
 (or ``{"fwd_bwd": s}``), or ``(pass times, anything to keep per timed repetition)``. What a variant
 installs around its call (patches, the no-op collectives of :func:`no_collectives` for the
 compute-only twin) is the case's run, not the runner's. The runner warms every variant up, then
-interleaves them over the repetitions in a rotating order (tuning.online.schedule: drift in the
+interleaves them over the repetitions in a rotating order (coc_inject.timer.schedule: drift in the
 machine's speed spreads over every variant) and takes the MAX over ranks once at the end: a step
-is as slow as its slowest rank. Figures are made by coc_inject.bench.report.
+is as slow as its slowest rank (timer.slowest). Figures are made by coc_inject.bench.report.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
-from coc_inject.tuning.online import schedule
-
-
-class Timer:
-    """Wall time of a call on every rank, after a barrier (ranks start together), device-synchronised
-    (CUDA/NPU events where present). ``timer(fn)`` -> (fn's result, seconds)."""
-
-    def __init__(self, device: torch.device):
-        module = getattr(torch, device.type, None)
-        self.events = module if device.type in ("cuda", "npu") and hasattr(module, "Event") else None
-
-    def __call__(self, fn):
-        dist.barrier()
-        if self.events is None:
-            begin = time.perf_counter()
-            result = fn()
-            return result, time.perf_counter() - begin
-        start, end = self.events.Event(enable_timing=True), self.events.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        end.synchronize()
-        return result, start.elapsed_time(end) / 1e3
+from coc_inject import timer
 
 
 def progress(tag: str, message: str) -> None:
@@ -58,7 +35,7 @@ def measure(runs: dict, reps: int, *, device: torch.device, warm_ups: int = 1, t
     ``{name: [what the run kept, per timed repetition]}`` (this rank's). ``device``: the one the bench
     runs on, where the group's backend (NCCL, HCCL, gloo) takes the timings' all-reduce."""
     names = list(runs)
-    warm, timed = schedule(names, rounds=reps, warm_ups=warm_ups)
+    warm, timed = timer.schedule(names, reps, warm_ups)
     for name in warm:
         progress(tag, f"{label}warm-up {name}")
         runs[name]()
@@ -75,23 +52,19 @@ def measure(runs: dict, reps: int, *, device: torch.device, warm_ups: int = 1, t
 
 
 def slowest_rank(times: dict, device: torch.device) -> dict:
-    """``{name: {pass: [seconds]}}`` with each figure the MAX over ranks (one all-reduce on ``device``,
-    the bench's: NCCL and HCCL take no CPU tensor; in a single process, as it is)."""
-    flat = [value for passes in times.values() for samples in passes.values() for value in samples]
-    if not flat or not dist.is_initialized():
-        return times
-    slowest = torch.tensor(flat, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    values = iter(slowest.tolist())
+    """``{name: {pass: [seconds]}}`` with each figure the MAX over ranks (timer.slowest: one all-reduce
+    on ``device``, the bench's)."""
+    values = iter(timer.slowest([value for passes in times.values() for samples in passes.values()
+                                 for value in samples], device))
     return {name: {phase: [next(values) for _ in samples] for phase, samples in passes.items()}
             for name, passes in times.items()}
 
 
-def fwd_bwd(timer: Timer, step, enter=None):
+def fwd_bwd(timed: timer.Timer, step, enter=None):
     """A run: ``step()`` (forward and backward) timed as one pass, inside ``enter()`` if given."""
     def run():
         with (enter or nullcontext)():
-            return {"fwd_bwd": timer(step)[1]}
+            return {"fwd_bwd": timed(step)[1]}
     return run
 
 

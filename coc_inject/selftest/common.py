@@ -9,9 +9,7 @@ ranks, so every rank has the same row.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 # Bound on the relative error per dtype: fp32 results are exact up to summation order; bf16 and fp16
@@ -43,25 +41,12 @@ class Context:
         return getattr(torch, name or self.dtype)
 
 
-def synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)
-
-
 def timed(fn, device, reps: int):
     """(the last result, the median milliseconds of ``reps`` runs), the device synchronised around each."""
-    times, result = [], None
-    for _ in range(max(1, reps)):
-        synchronize(device)
-        began = time.perf_counter()
-        result = fn()
-        synchronize(device)
-        times.append(time.perf_counter() - began)
-    return result, 1e3 * statistics.median(times)
+    from coc_inject import timer  # torch: only in the ranks
+
+    result, seconds = timer.median(fn, reps, device)
+    return result, 1e3 * seconds
 
 
 def relative_error(actual, truth, group) -> float:

@@ -7,7 +7,6 @@ self-test."""
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +17,7 @@ from coc_inject import attention_kernels
 from coc_inject.attention_kernels import reference
 from coc_inject.context_parallel import layout
 from coc_inject.context_parallel.schedule import make_schedule
+from coc_inject.timer import seconds
 
 
 @dataclass(frozen=True)
@@ -89,11 +89,9 @@ def sdpa(whole) -> tuple:
     forward and backward; returns (forward s, backward s)."""
     q, k, v = (t.permute(1, 2, 0, 3).detach().clone().requires_grad_(True) for t in whole[:3])
     dout = whole[3].permute(1, 2, 0, 3)
-    began = time.perf_counter()
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
-    forward = time.perf_counter() - began
-    out.backward(dout)
-    return forward, time.perf_counter() - began - forward
+    out, forward = seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                  enable_gqa=k.shape[1] != q.shape[1]))
+    return forward, seconds(lambda: out.backward(dout))[1]
 
 
 def sdpa_call(whole):

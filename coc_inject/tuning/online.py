@@ -11,7 +11,7 @@ hardware identity (device or host name, world and TP size, communication backend
 2. **Trials** when nothing is cached: every candidate -- Megatron's own path (N=1) and each CoC
    chunk count the rows allow -- runs forward and backward on this call's real input (one
    warm-up round, then ``TIMED_ROUNDS`` timed rounds in rotating order; a barrier before each
-   run, device synchronisation around it on CUDA/NPU, wall clock on CPU). The trials run on
+   run, device synchronisation around it on CUDA/NPU, wall clock on CPU: coc_inject.timer). The trials run on
    detached inputs and return nothing to autograd, inside ``coc_inject.trial.isolated``: parameters'
    gradients (``main_grad`` with fused accumulation included) and the RNG are left as found; the
    job's own call runs afterwards with the decision. Each run's time is all-reduced with MAX over the
@@ -29,14 +29,13 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
-from coc_inject import copy_context, log, trial
+from coc_inject import copy_context, log, timer, trial
 from coc_inject.routes import LayerCase
 
 TIMED_ROUNDS = 3
@@ -124,23 +123,6 @@ def choose(samples: dict, baseline=1) -> tuple:
     return (best if reference - medians[best] > noise else baseline), noise
 
 
-def schedule(candidates: list, rounds: int = TIMED_ROUNDS, warm_ups: int = 1) -> tuple[list, list]:
-    """``warm_ups`` warm-up rounds (in order), then ``rounds`` timed rounds, each rotated by one:
-    drift in the machine's speed spreads over all candidates."""
-    timed = []
-    for r in range(rounds):
-        shift = r % len(candidates)
-        timed += candidates[shift:] + candidates[:shift]
-    return list(candidates) * warm_ups, timed
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize()  # torch_npu registers torch.npu
-
-
 def hardware_identity(device: torch.device, group, group_name: str = "TP") -> str:
     """What a cached decision is only valid for: device (or host) name, world and group size, backend."""
     if device.type == "cuda":
@@ -213,22 +195,15 @@ class Tuner:
             return self._timed_trials(candidates, group, device, run, warm_ups)
 
     def _timed_trials(self, candidates, group, device, run, warm_ups: int) -> dict:
-        warm_up, timed = schedule(candidates, warm_ups=warm_ups)
+        warm_up, timed = timer.schedule(candidates, TIMED_ROUNDS, warm_ups)
         for chunks in warm_up:
             run(chunks)
-        barrier = torch.zeros(1, device=device)
         seconds = []
         for chunks in timed:
-            dist.all_reduce(barrier, group=group)
-            synchronize(device)
-            start = time.perf_counter()
-            run(chunks)
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        times = torch.tensor(seconds, dtype=torch.float64, device=device)
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+            timer.align(group, device)
+            seconds.append(timer.seconds(lambda: run(chunks), device)[1])
         samples: dict = {c: [] for c in candidates}
-        for chunks, t in zip(timed, times.tolist()):
+        for chunks, t in zip(timed, timer.slowest(seconds, device, group)):
             samples[chunks].append(t)
         return samples
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from coc_inject import timer
 from coc_inject.tuning import online as tuning
 from coc_inject.tuning.cache import TuneCache
 from coc_inject.tuning.online import DecisionKey
@@ -32,10 +33,10 @@ def test_choice_beats_megatron_by_more_than_the_noise(samples, expected):
 
 
 def test_schedule_warms_up_then_rotates():
-    warm_up, timed = tuning.schedule([1, 2, 4], rounds=3)
+    warm_up, timed = timer.schedule([1, 2, 4], rounds=3)
     assert warm_up == [1, 2, 4]
     assert timed == [1, 2, 4, 2, 4, 1, 4, 1, 2]
-    assert tuning.schedule([1, 2], rounds=1, warm_ups=2) == ([1, 2, 1, 2], [1, 2])
+    assert timer.schedule([1, 2], rounds=1, warm_ups=2) == ([1, 2, 1, 2], [1, 2])
 
 
 # -- the cache -----------------------------------------------------------------------------------

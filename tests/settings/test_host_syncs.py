@@ -16,12 +16,13 @@ SYNC_FUNCTIONS = {"equal", "allclose", "nonzero", "unique", "masked_select"}
 
 # (module under coc_inject/ or a folder ending in "/", enclosing function or "*", call, why it may stay)
 ALLOWED = [
-    ("bench/", "*", "*", "the bench measures (timers, its MAX over ranks, gloo's split lists): no job runs it"),
     ("selftest/", "*", "*", "coc-inject selftest compares against its truth: no job runs it"),
     ("testbed/cpu.py", "gloo_split_lists.all_to_all_single", "tolist",
      "the test bed's CPU ranks: gloo takes split sizes as lists; never applied in a job"),
-    ("tuning/online.py", "synchronize", "synchronize", "auto's timed trials: once per shape, at its first call"),
-    ("tuning/online.py", "Tuner._timed_trials", "tolist", "auto's trial timings, once per shape"),
+    ("timer.py", "synchronize", "synchronize",
+     "the timer: auto's timed trials (once per shape, at its first call), the bench, self-test and tune"),
+    ("timer.py", "Timer.__call__", "synchronize", "the bench's timings (device events): no job runs it"),
+    ("timer.py", "slowest", "tolist", "the MAX over ranks of timings: auto's once per shape, the bench's"),
     ("pipeline/agreement.py", "ensure_same_config", "tolist",
      "the config fingerprints, once per process group (a dict lookup after)"),
     ("context_parallel/attention.py", "_mask_is_causal", "any", "once per attention mask tensor (then cached)"),

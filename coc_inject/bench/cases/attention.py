@@ -27,11 +27,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from coc_inject import meter
 from coc_inject.bench import engine, report
 from coc_inject.bench.cases import attention_figures as figures
 from coc_inject.testbed import attention as inputs_of, ranks
 from coc_inject.testbed.attention import Variant, variants_for
 from coc_inject.testbed.saved import SavedBytes
+from coc_inject.timer import Timer
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import blocks, comm, ring
 from coc_inject.context_parallel.auto import BASELINE, AttentionKey
@@ -43,7 +45,7 @@ TAG = "coc-inject bench attention"
 
 
 class _Trace:
-    """Timestamps (perf_counter seconds) of one call's kernel steps and transfers."""
+    """Timestamps (coc_inject.meter's clock, seconds) of one call's kernel steps and transfers."""
 
     def __init__(self):
         self.compute = []  # (pass, t0, t1) per blocks.forward / blocks.backward call
@@ -58,10 +60,9 @@ class _StepBlocks:
         self._trace, self._run = trace, run
 
     def _step(self, fn, *args):
-        begin = time.perf_counter()
-        if self._run:
-            fn(*args)
-        self._trace.compute.append((self._trace.phase, begin, time.perf_counter()))
+        with meter.span(self._trace.compute, self._trace.phase):
+            if self._run:
+                fn(*args)
 
     def forward(self, *args):
         self._step(blocks.forward, *args)
@@ -75,10 +76,9 @@ class _TracedPending:
         self._trace, self._pending, self._started = trace, pending, started
 
     def wait(self) -> None:
-        waiting = time.perf_counter()
-        if self._pending is not None:
-            self._pending.wait()
-        self._trace.transfers.append((self._trace.phase, self._started, waiting, time.perf_counter()))
+        with meter.span(self._trace.transfers, self._trace.phase, self._started):
+            if self._pending is not None:
+                self._pending.wait()
 
 
 def _exchange(trace: _Trace, transfer: bool):
@@ -87,7 +87,7 @@ def _exchange(trace: _Trace, transfer: bool):
     def exchange(group, sends, recvs):
         if not sends and not recvs:  # a step with nothing to pass on: not a transfer
             return comm.exchange(group, sends, recvs)
-        started = time.perf_counter()
+        started = meter.now()
         if transfer:
             return _TracedPending(trace, comm.exchange(group, sends, recvs), started)
         for (sent, _), (received, _) in zip(sends, recvs):
@@ -143,13 +143,13 @@ def timeline(schedule, inputs, kernel) -> dict:
     the forward began (rank 0's host clock)."""
     trace, (q, k, v, dout) = _Trace(), inputs
     dist.barrier()
-    begin = time.perf_counter()
+    begin = meter.now()
     with instrumented_ring(trace):
         out = ContextParallelAttention.apply(*[t.clone().requires_grad_(True) for t in (q, k, v)], schedule, kernel)
         trace.phase = "backward"
-        backward_began = time.perf_counter()
+        backward_began = meter.now()
         out.backward(dout)
-        ended = time.perf_counter()
+        ended = meter.now()
     ms = lambda t: 1e3 * (t - begin)  # noqa: E731
     events = [{"kind": "compute", "pass": p, "start": ms(t0), "end": ms(t1)} for p, t0, t1 in trace.compute]
     events += [{"kind": "transfer", "pass": p, "start": ms(t0), "wait": ms(tw), "end": ms(t1)}
@@ -168,7 +168,7 @@ def run_rank(args, device) -> dict | None:
     whole = inputs_of.whole_inputs(args) if rank == 0 else None
     kernel_by_kind = inputs_of.kernels(args)
     kernel_of = {v.name: kernel_by_kind[v.kernel] for v in variants}
-    timer = engine.Timer(device)
+    timer = Timer(device)
     ring_variants = [v for v in variants if v.is_ring]
 
     engine.progress(TAG, f"CP={cp}: memory kept for backward, outputs")

@@ -22,7 +22,6 @@ import ctypes
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from coc_inject.testbed import attention, ranks
 from coc_inject.testbed.attention import Variant
 from coc_inject.bench.report import median_ms, median_ratio
 from coc_inject.context_parallel.function import ContextParallelAttention
+from coc_inject.timer import Timer, seconds
 
 BLOCK = (1, 8, 1024, 64)
 SEQS = (4096, 8192)
@@ -52,12 +52,13 @@ def block_kernels(reps: int) -> dict:
     tile, scale = reference.TILE, BLOCK[-1] ** -0.5
 
     def run(kernel, size):
-        def once():
-            reference.TILE = size
-            began = time.perf_counter()
+        def fwd_bwd():
             out, lse = kernel.forward(q, k, v, scale, True)
             kernel.backward(dout, q, k, v, out, lse, scale, True)
-            return {"fwd_bwd": time.perf_counter() - began}
+
+        def once():
+            reference.TILE = size
+            return {"fwd_bwd": seconds(fwd_bwd)[1]}
         return once
 
     runs = {"cpu-flash": run(cpu.KERNEL, tile), "reference": run(reference.KERNEL, tile),
@@ -126,7 +127,7 @@ def ring_rank(args, device) -> dict | None:
         dist.all_gather_object(everyone, ring_peak)
         return {"ring_peak_bytes": everyone, "sdpa_peak_bytes": sdpa_peak} if rank == 0 else None
 
-    timer = engine.Timer(device)
+    timer = Timer(device)
     runs = {"ring": lambda: {"fwd_bwd": timer(ring)[1]},  # sdpa: rank 0's, the other rank reports 0
             "sdpa": lambda: {"fwd_bwd": sum(attention.sdpa_call(whole))}}
     times, _ = engine.measure(runs, args.reps, device=device, tag=TAG, label=f"seq {args.seq} {args.dtype}: ")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from coc_inject.bench import engine, report
 from coc_inject.testbed import ranks
+from coc_inject.timer import Timer
 
 VARIANTS = ("megatron", "coc", "copies", "coc+copies", report.COMPUTE_ONLY)
 
@@ -52,7 +53,7 @@ def rank_work(args, device) -> dict | None:
                 job.uninstall()
         return installed
 
-    timer = engine.Timer(device)
+    timer = Timer(device)
     with tempfile.TemporaryDirectory() as scratch:  # CoC auto's trials in the warm-up, kept by this cache
         runs = {name: engine.fwd_bwd(timer, step, variant(name, f"{scratch}/tune.json")) for name in VARIANTS}
         times, _ = engine.measure(runs, args.reps, device=device, tag="coc-inject bench layer")

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from coc_inject import job
+from coc_inject import job, meter
 from coc_inject.linears import install as linears
 from coc_inject.bench import engine, report, startup
 from coc_inject.testbed import ranks
@@ -30,6 +30,7 @@ from coc_inject.bench.cases import linears_figures as figures
 from coc_inject.config import AUTO, CocConfig
 from coc_inject.pipeline import agreement, collectives, schedules
 from coc_inject.routes import LayerCase
+from coc_inject.timer import Timer, median, seconds
 
 AUTO_VARIANT = "auto"
 
@@ -91,7 +92,7 @@ def decide_auto(layer, x, config) -> tuple:
 def measure_case(case: LinearCase, *, m, k, n, dtype, device, chunks, reps, warmup=1, tune_cache=None) -> dict:
     """``chunks``: chunk counts and/or ``"auto"``; ``tune_cache``: the auto variant's (fresh) cache."""
     layer, x = build_linear(case, m, k, n, dtype, device)
-    timer = engine.Timer(device)
+    timer = Timer(device)
     fixed = [c for c in chunks if c != AUTO_VARIANT]
     auto, decided = None, None
     if AUTO_VARIANT in chunks:
@@ -142,22 +143,13 @@ def timeline(layer, x, chunks: int) -> list:
     try:
         with schedules.traced(schedules.TimelineTracer()) as tracer:
             dist.barrier()
-            begin = time.perf_counter()
+            begin = meter.now()
             layer(x.clone())
             dist.barrier()
     finally:
         linears.uninstall()
     return [(kind, start_row, 1e3 * (t0 - begin), 1e3 * (t1 - begin))
             for kind, start_row, t0, t1 in tracer.finish() if kind != "launch"]
-
-
-def _median_seconds(fn, calls: int) -> float:
-    samples = []
-    for _ in range(calls):
-        begin = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
 
 
 def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int = 300) -> dict:
@@ -171,7 +163,7 @@ def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int =
         try:
             layer(x)  # the one-time config agreement happens here, with the real collective
             with collectives.all_reduce_replaced(lambda tensor, group: None), torch.no_grad():
-                return _median_seconds(lambda: layer(x), calls)
+                return median(lambda: layer(x), calls)[1]  # host time: no device synchronisation
         finally:
             linears.uninstall()
 
@@ -179,13 +171,12 @@ def host_overhead_per_chunk(device, dtype, rows_per_chunk: int = 8, calls: int =
     chunk = torch.randn(rows_per_chunk, 32, dtype=dtype, device=device)
     weight_t = torch.randn(32, 32, dtype=dtype, device=device).t()
     out = torch.empty(rows_per_chunk, 32, dtype=dtype, device=device)
-    matmul = _median_seconds(lambda: torch.matmul(chunk, weight_t, out=out), calls)
+    matmul = median(lambda: torch.matmul(chunk, weight_t, out=out), calls)[1]
     launches = []
     for _ in range(calls // 10):
         dist.barrier()
-        begin = time.perf_counter()
-        handles = [collectives.all_reduce_async(chunk, None) for _ in range(8)]
-        launches.append((time.perf_counter() - begin) / 8)
+        handles, elapsed = seconds(lambda: [collectives.all_reduce_async(chunk, None) for _ in range(8)])
+        launches.append(elapsed / 8)
         collectives.wait_all(handles)
     pipeline_us, launch_us = 1e6 * (slope - matmul), 1e6 * statistics.median(launches)
     return {"pipeline_us": pipeline_us, "collective_launch_us": launch_us, "total_us": pipeline_us + launch_us,

@@ -14,6 +14,7 @@ import sys
 
 from coc_inject.bench import engine, report
 from coc_inject.testbed import ranks
+from coc_inject.timer import Timer
 from coc_inject.moe.auto import CHUNKS
 
 
@@ -40,7 +41,7 @@ def rank_work(args, device) -> list | None:
     ep = dist.get_world_size()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
-    timer, results = engine.Timer(device), []
+    timer, results = Timer(device), []
     with tempfile.TemporaryDirectory() as scratch:
         for local in args.local_experts:
             torch.manual_seed(1234 + dist.get_rank())
