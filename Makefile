@@ -84,7 +84,7 @@ bench-accounting: $(VENV)/.installed
 # The attention kernels against what a user runs instead: block kernel fused vs reference, ring CP=2
 # vs scaled_dot_product_attention in one process (seq 4096, 8192; fp32, bf16), peak memory growth.
 bench-flash: $(VENV)/.installed
-	$(VENV)/bin/python -m coc_inject.bench.flash --out benchmarks/results/flash
+	$(VENV)/bin/python -m coc_inject.bench.cases.flash --out benchmarks/results/flash
 
 bench-cp-memory: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/cp_memory.py

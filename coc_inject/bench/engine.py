@@ -3,8 +3,8 @@
 A case hands :func:`measure` its variants as data: ``{name: run}``, Megatron as it is first, where
 ``run()`` makes one call of the variant and returns its pass times ``{"forward": s, "backward": s}``
 (or ``{"fwd_bwd": s}``), or ``(pass times, anything to keep per timed repetition)``. What a variant
-installs around its call (patches, the no-op collectives of :func:`no_collectives` for the
-compute-only twin) is the case's run, not the runner's. The runner warms every variant up, then
+installs around its call (patches, the no-op collectives of coc_inject.testbed.link.no_collectives
+for the compute-only twin) is the case's run, not the runner's. The runner warms every variant up, then
 interleaves them over the repetitions in a rotating order (coc_inject.timer.schedule: drift in the
 machine's speed spreads over every variant) and takes the MAX over ranks once at the end: a step
 is as slow as its slowest rank (timer.slowest). Figures are made by coc_inject.bench.report.
@@ -66,32 +66,3 @@ def fwd_bwd(timed: timer.Timer, step, enter=None):
         with (enter or nullcontext)():
             return {"fwd_bwd": timed(step)[1]}
     return run
-
-
-class _Done:
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return True
-
-
-def no_collectives(only=None):
-    """The compute-only twin: every collective (torch's and Megatron's aliases of them; or those named
-    in ``only``) a no-op that zero-fills its output -- the same layer on an infinitely fast network."""
-    from coc_inject import dist_interception
-
-    def output_zeroed(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
-        output = args[0] if args else next(iter(kwargs.values()))
-        for tensor in output if isinstance(output, list) else [output]:
-            tensor.zero_()
-        return _Done() if async_op else None
-
-    def in_place(*args, async_op=False, **kwargs):  # all_reduce: the tensor already holds a result
-        return _Done() if async_op else None
-
-    names = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-             "_reduce_scatter_base", "all_gather", "all_to_all_single")
-    return dist_interception.replaced(
-        lambda name, _: (in_place if name == "all_reduce" else output_zeroed) if only is None or name in only else None,
-        names)

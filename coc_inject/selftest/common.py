@@ -86,25 +86,3 @@ def row(wing: str, case: str, backend: str, errors: dict, dtype: str, coc_ms: fl
 def skipped(wing: str, case: str, backend: str, why: str) -> dict:
     """A case this device cannot run, and why (not a failure)."""
     return {"wing": wing, "case": case, "backend": backend, "skipped": why}
-
-
-def peak_memory_mb(device) -> float | None:
-    """This process's peak memory: the device allocator's on GPU / NPU, the resident set on the CPU."""
-    import torch
-
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    if device.type == "npu":
-        return torch.npu.max_memory_allocated(device) / 2**20
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def reset_peak_memory(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif device.type == "npu":
-        torch.npu.reset_peak_memory_stats(device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from coc_inject.selftest.common import max_over_ranks, peak_memory_mb, relative_error, reset_peak_memory, row, skipped, timed
+from coc_inject.selftest.common import max_over_ranks, relative_error, row, skipped, timed
 
 WING = "context-parallel"
 SHAPE = dict(seq=1024, batch=1, heads=8, kv_groups=4, head_dim=64)
@@ -28,9 +28,10 @@ def run(ctx) -> list:
     import torch
 
     from coc_inject import attention_kernels
-    from coc_inject.testbed.attention import schedules, variants_for, whole_inputs
     from coc_inject.context_parallel import layout
     from coc_inject.context_parallel.function import ContextParallelAttention
+    from coc_inject.testbed.attention import schedules, variants_for, whole_inputs
+    from coc_inject.testbed.memory import peak_memory_mb, reset_peak_memory
 
     cp, args = ctx.world, SimpleNamespace(dtype=ctx.dtype, **SHAPE)
     if cp < 2:

@@ -8,6 +8,9 @@ kernels: no latency emulation.
 
 Teardown is guaranteed: on normal exit, on exceptions, on Ctrl-C / SIGTERM, and at
 interpreter exit.
+
+The other end of the scale, :func:`no_collectives`: an infinitely fast network (every collective a
+no-op), for the compute-only twin of a measured layer.
 """
 
 from __future__ import annotations
@@ -113,3 +116,32 @@ def enter(namespace: str, core: int | None) -> None:
             raise LinkError(f"setns into {namespace} failed: {os.strerror(ctypes.get_errno())}")
     if core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core % os.cpu_count()})
+
+
+class _Done:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+def no_collectives(only=None):
+    """The compute-only twin: every collective (torch's and Megatron's aliases of them; or those named
+    in ``only``) a no-op that zero-fills its output -- the same layer on an infinitely fast network."""
+    from coc_inject import dist_interception
+
+    def output_zeroed(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
+        output = args[0] if args else next(iter(kwargs.values()))
+        for tensor in output if isinstance(output, list) else [output]:
+            tensor.zero_()
+        return _Done() if async_op else None
+
+    def in_place(*args, async_op=False, **kwargs):  # all_reduce: the tensor already holds a result
+        return _Done() if async_op else None
+
+    names = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
+             "_reduce_scatter_base", "all_gather", "all_to_all_single")
+    return dist_interception.replaced(
+        lambda name, _: (in_place if name == "all_reduce" else output_zeroed) if only is None or name in only else None,
+        names)

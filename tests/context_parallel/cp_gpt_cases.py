@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from coc_inject import job
 from coc_inject.testbed.cpu import CpuLayerNorm
-from coc_inject.testbed.saved import SavedBytes
+from coc_inject.testbed.memory import SavedBytes
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import auto, groups, install, layout
 from tests.dist_harness import reinitialize_model_parallel

@@ -32,7 +32,7 @@ from coc_inject.bench import engine, report
 from coc_inject.bench.cases import attention_figures as figures
 from coc_inject.testbed import attention as inputs_of, ranks
 from coc_inject.testbed.attention import Variant, variants_for
-from coc_inject.testbed.saved import SavedBytes
+from coc_inject.testbed.memory import SavedBytes
 from coc_inject.timer import Timer
 from coc_inject.config import CocConfig
 from coc_inject.context_parallel import blocks, comm, ring
@@ -44,23 +44,14 @@ COMPUTE_ONLY, COMM_ONLY, SDPA, AUTO = "C", "M", "sdpa", "auto"
 TAG = "coc-inject bench attention"
 
 
-class _Trace:
-    """Timestamps (coc_inject.meter's clock, seconds) of one call's kernel steps and transfers."""
-
-    def __init__(self):
-        self.compute = []  # (pass, t0, t1) per blocks.forward / blocks.backward call
-        self.transfers = []  # (pass, started, wait began, done) per exchange
-        self.phase = "forward"
-
-
 class _StepBlocks:
     """Stands in for ring.py's ``blocks`` module: times each kernel step, or skips it (M)."""
 
-    def __init__(self, trace: _Trace, run: bool):
+    def __init__(self, trace: meter.Recorder, run: bool):
         self._trace, self._run = trace, run
 
     def _step(self, fn, *args):
-        with meter.span(self._trace.compute, self._trace.phase):
+        with self._trace.span("compute"):  # (pass, t0, t1) per blocks.forward / blocks.backward call
             if self._run:
                 fn(*args)
 
@@ -72,16 +63,16 @@ class _StepBlocks:
 
 
 class _TracedPending:
-    def __init__(self, trace: _Trace, pending, started: float):
+    def __init__(self, trace: meter.Recorder, pending, started: float):
         self._trace, self._pending, self._started = trace, pending, started
 
     def wait(self) -> None:
-        with meter.span(self._trace.transfers, self._trace.phase, self._started):
+        with self._trace.span("transfer", self._started):  # (pass, started, wait began, done)
             if self._pending is not None:
                 self._pending.wait()
 
 
-def _exchange(trace: _Trace, transfer: bool):
+def _exchange(trace: meter.Recorder, transfer: bool):
     """ring.py's ``exchange``, timed; ``transfer=False`` (C): each receive buffer gets a local copy of
     the matching send (same tensors, real values, no communication)."""
     def exchange(group, sends, recvs):
@@ -97,7 +88,7 @@ def _exchange(trace: _Trace, transfer: bool):
 
 
 @contextmanager
-def instrumented_ring(trace: _Trace, *, compute: bool = True, transfer: bool = True):
+def instrumented_ring(trace: meter.Recorder, *, compute: bool = True, transfer: bool = True):
     saved = ring.blocks, ring.exchange
     ring.blocks, ring.exchange = _StepBlocks(trace, compute), _exchange(trace, transfer)
     try:
@@ -120,7 +111,7 @@ def _call(schedule, inputs, timer, kernel, trace=None):
 def _twin(schedule, inputs, timer, kernel, kind):
     """A run of the ring's C or M twin: its times, and its per-step figures kept per repetition."""
     def run():
-        trace = _Trace()
+        trace = meter.Recorder("forward")
         with instrumented_ring(trace, compute=kind == COMPUTE_ONLY, transfer=kind == COMM_ONLY):
             times = _call(schedule, inputs, timer, kernel, trace)
         return times, figures.steps(trace)
@@ -141,7 +132,7 @@ def saved_bytes(schedule, inputs, kernel) -> tuple:
 def timeline(schedule, inputs, kernel) -> dict:
     """Kernel steps and transfers of one real (overlapped) ring call, forward then backward, ms since
     the forward began (rank 0's host clock)."""
-    trace, (q, k, v, dout) = _Trace(), inputs
+    trace, (q, k, v, dout) = meter.Recorder("forward"), inputs
     dist.barrier()
     begin = meter.now()
     with instrumented_ring(trace):
@@ -151,9 +142,9 @@ def timeline(schedule, inputs, kernel) -> dict:
         out.backward(dout)
         ended = meter.now()
     ms = lambda t: 1e3 * (t - begin)  # noqa: E731
-    events = [{"kind": "compute", "pass": p, "start": ms(t0), "end": ms(t1)} for p, t0, t1 in trace.compute]
+    events = [{"kind": "compute", "pass": p, "start": ms(t0), "end": ms(t1)} for p, t0, t1 in trace.of("compute")]
     events += [{"kind": "transfer", "pass": p, "start": ms(t0), "wait": ms(tw), "end": ms(t1)}
-               for p, t0, tw, t1 in trace.transfers]
+               for p, t0, tw, t1 in trace.of("transfer")]
     return {"events": events, "backward_began": ms(backward_began), "end": ms(ended)}
 
 

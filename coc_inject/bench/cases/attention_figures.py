@@ -33,8 +33,8 @@ def steps(trace) -> dict:
     the time some transfer was in flight (union of those intervals: Double-Ring's overlap counted once)."""
     figures = {}
     for phase in PASSES:
-        compute = [t1 - t0 for p, t0, t1 in trace.compute if p == phase]
-        spans = sorted((t0, t1) for p, t0, _, t1 in trace.transfers if p == phase)  # in start order
+        compute = [t1 - t0 for p, t0, t1 in trace.of("compute") if p == phase]
+        spans = sorted((t0, t1) for p, t0, _, t1 in trace.of("transfer") if p == phase)  # in start order
         union, reach = 0.0, -math.inf
         for t0, t1 in spans:
             union += max(0.0, t1 - max(t0, reach))

@@ -12,13 +12,12 @@ targets), every figure a median of interleaved repetitions (the bench engine), o
    so the resident size follows the live ones), after a warm-up call, in a fresh pair of processes per
    sequence: its growth from seq 4096 to 8192 (linear = 2x); the same for SDPA.
 
-    python -m coc_inject.bench.flash [--out DIR]      (writes flash.json, prints the table with the targets)
+    python -m coc_inject.bench.cases.flash [--out DIR]      (writes flash.json, prints the table with the targets)
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from coc_inject.attention_kernels import cpu, reference
 from coc_inject.bench import engine
-from coc_inject.testbed import attention, ranks
+from coc_inject.testbed import attention, memory, ranks
 from coc_inject.testbed.attention import Variant
 from coc_inject.bench.report import median_ms, median_ratio
 from coc_inject.context_parallel.function import ContextParallelAttention
@@ -73,34 +72,6 @@ def block_kernels(reps: int) -> dict:
             "speedup_vs_untiled": median_ratio(times[UNTILED], times["cpu-flash"])}
 
 
-def _malloc_returns_memory() -> None:
-    """glibc: tensors over 64 KiB in their own mappings, unmapped when freed, so that the resident size
-    follows the live tensors (by default freed memory stays resident and a peak is hidden)."""
-    libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    libc.mallopt(m_mmap_threshold, 64 * 1024)
-    libc.mallopt(m_trim_threshold, 0)
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _peak_of(work, barrier) -> int:
-    """Peak resident bytes of one call of work over the resident size around it (the smaller of before
-    and after: memory another thread frees during the call would otherwise hide part of the peak)."""
-    barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # the peak resident size reset to the current one
-    before = _status("VmRSS")
-    work()
-    peak = _status("VmHWM") - min(before, _status("VmRSS"))
-    barrier()
-    return peak
-
-
 def ring_rank(args, device) -> dict | None:
     """One rank: ring CP=2 on the fused kernel vs SDPA on rank 0, interleaved; or their peak memory."""
     rank = dist.get_rank()
@@ -116,13 +87,13 @@ def ring_rank(args, device) -> dict | None:
         ContextParallelAttention.apply(*leaves, schedule, kernel).backward(inputs[3])
 
     if args.measure == "memory":
-        _malloc_returns_memory()
+        memory.unmap_freed_memory()
         ring()  # warm-up: one-time allocations are not the attention's
-        ring_peak = statistics.median(_peak_of(ring, dist.barrier) for _ in range(MEMORY_REPS))
+        ring_peak = statistics.median(memory.resident_peak(ring, dist.barrier) for _ in range(MEMORY_REPS))
         sdpa_peak = None
         if rank == 0 and getattr(args, "sdpa", True):
             attention.sdpa(whole)
-            sdpa_peak = _peak_of(lambda: attention.sdpa(whole), barrier=lambda: None)
+            sdpa_peak = memory.resident_peak(lambda: attention.sdpa(whole), barrier=lambda: None)
         everyone = [None] * 2
         dist.all_gather_object(everyone, ring_peak)
         return {"ring_peak_bytes": everyone, "sdpa_peak_bytes": sdpa_peak} if rank == 0 else None
@@ -146,7 +117,8 @@ def _run(args, **overrides) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coc_inject.bench.flash", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m coc_inject.bench.cases.flash",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--block-reps", type=int, default=15)
     parser.add_argument("--seqs", type=int, nargs="+", default=list(SEQS))

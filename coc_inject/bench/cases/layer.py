@@ -15,7 +15,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from coc_inject.bench import engine, report
-from coc_inject.testbed import ranks
+from coc_inject.testbed import link, ranks
 from coc_inject.timer import Timer
 
 VARIANTS = ("megatron", "coc", "copies", "coc+copies", report.COMPUTE_ONLY)
@@ -47,7 +47,7 @@ def rank_work(args, device) -> dict | None:
             if config.multi_copy_armed:
                 copies.install(config, transformer_block)
             try:
-                with engine.no_collectives() if name == report.COMPUTE_ONLY else nullcontext():
+                with link.no_collectives() if name == report.COMPUTE_ONLY else nullcontext():
                     yield
             finally:
                 job.uninstall()

@@ -13,7 +13,7 @@ import contextlib
 import sys
 
 from coc_inject.bench import engine, report
-from coc_inject.testbed import ranks
+from coc_inject.testbed import link, ranks
 from coc_inject.timer import Timer
 from coc_inject.moe.auto import CHUNKS
 
@@ -62,7 +62,7 @@ def rank_work(args, device) -> list | None:
                                            tune_cache=f"{scratch}/tune-{local}.json")
                         install.install(config, moe_layer, None if name == "auto" else int(name.split("=")[1]))
                     try:  # C: the tokens' all-to-alls only; the dispatcher's small count gathers must still run
-                        with (engine.no_collectives(("all_to_all_single",)) if name == report.COMPUTE_ONLY
+                        with (link.no_collectives(("all_to_all_single",)) if name == report.COMPUTE_ONLY
                               else contextlib.nullcontext()):
                             yield
                     finally:
