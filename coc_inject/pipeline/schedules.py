@@ -16,7 +16,7 @@ import time
 from enum import Enum
 from typing import Callable, Sequence
 
-from coc_inject import meter
+from coc_inject.meter import now, span
 from coc_inject.pipeline.collectives import wait_all
 
 _tracer = None  # inside traced() only (the bench's timeline); None in normal runs
@@ -101,17 +101,17 @@ class TimelineTracer:
         events, pollers = self.events, self._pollers
 
         def traced_compute(start, stop, *rest):
-            with meter.span(events, "compute", start):
+            with span(events, "compute", start):
                 return compute(start, stop, *rest)
 
         def traced_communicate(start, stop, *rest):
-            begin = meter.now()
+            begin = now()
             handle = communicate(start, stop, *rest)
-            events.append(("launch", start, begin, meter.now()))
+            events.append(("launch", start, begin, now()))
             record = ["comm", start, begin, None]
             events.append(record)
             try:
-                handle.get_future().add_done_callback(lambda _: record.__setitem__(3, meter.now()))
+                handle.get_future().add_done_callback(lambda _: record.__setitem__(3, now()))
             except (AttributeError, RuntimeError):  # e.g. gloo reduce-scatter has no future: poll
                 poller = threading.Thread(target=_poll_completion, args=(handle, record), daemon=True)
                 poller.start()
@@ -133,7 +133,7 @@ class _WaitRecorded:
     def wait(self, *args, **kwargs):
         result = self._handle.wait(*args, **kwargs)
         if self._record[3] is None:
-            self._record[3] = meter.now()
+            self._record[3] = now()
         return result
 
     def __getattr__(self, name):
@@ -144,4 +144,4 @@ def _poll_completion(handle, record) -> None:
     while record[3] is None and not handle.is_completed():
         time.sleep(0.0002)
     if record[3] is None:
-        record[3] = meter.now()
+        record[3] = now()
