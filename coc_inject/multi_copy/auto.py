@@ -67,12 +67,12 @@ class CopiesKey:
 AUTO_COPIES = (2, 4)
 
 
-def candidates(copies: int, copies_auto: bool, linears_auto: bool, batch: int) -> list:
+def candidates(copies: int, copies_auto: bool, linears_auto: bool, rows: int) -> list:
     """What the trials compare, the baseline first. COC_MULTI_COPY=auto: no copies, 2 or 4 copies
     (the linears as set); a fixed count with COC_PARALLEL_NUM=auto: the copies with CoC's chunks or
     with Megatron's linears; a fixed count otherwise: nothing to try."""
     if copies_auto:
-        return [1] + [n for n in AUTO_COPIES if batch % n == 0]
+        return [1] + [n for n in AUTO_COPIES if rows % n == 0]
     return [copies] + ([unchunked(copies)] if linears_auto else [])
 
 

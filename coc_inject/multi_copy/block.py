@@ -1,7 +1,8 @@
 """Multi-copy parallel on one TransformerBlock call: split, run the copies in turns, join.
 
 A call cut as splits.py planned runs Megatron's own block forward on each copy (its batch rows of
-every per-sample input), the copies taking turns at their collectives (scheduler.py), and joins the
+every per-sample input, or its part of the sequence: sequence.py, the copies meeting in the
+attention: meeting.py), the copies taking turns at their collectives (scheduler.py), and joins the
 outputs: one split and one join per block. The copies' forward marks their cut points (cuts.py); the
 block's backward is one autograd node that runs every copy's backward in one reentrant call on the
 thread autograd calls it on, their nodes interleaved at the cuts in a fixed order (segments.py).
@@ -9,11 +10,13 @@ thread autograd calls it on, their nodes interleaved at the cuts in a fixed orde
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from coc_inject import rng_state
-from coc_inject.multi_copy import collectives, cuts, scheduler, segments
-from coc_inject.multi_copy.splits import BATCH_DIMS, Split
+from coc_inject.multi_copy import collectives, cuts, meeting, scheduler, segments, sequence
+from coc_inject.multi_copy.splits import BATCH_DIMS, SEQUENCE, Split
 
 
 def _pieces(tensor, dim: int, sizes: list) -> list:
@@ -27,16 +30,30 @@ class CopiesRunner:
         self.block, self.original, self.split = block, original, split
         self.arguments = arguments
         self.cuts = [[] for _ in range(split.copies)]  # each copy's cut points (recorded with grad on)
+        self.layout = sequence.Layout(split.copies, split.group)  # where the copies' rows are
 
     def _copy_arguments(self, index: int) -> dict:
+        if self.split.kind == SEQUENCE:
+            return sequence.copy_arguments(self.arguments, index, self.split.copies)
         arguments = dict(self.arguments)
         for name in self.split.cut:
             arguments[name] = _pieces(arguments[name], BATCH_DIMS[name], self.split.sizes)[index].contiguous()
         return arguments
 
+    def join(self, outputs: list) -> torch.Tensor:
+        """The copies' outputs (or their inputs' gradients) in Megatron's layout."""
+        return self.layout.from_copies(torch.cat(outputs, dim=self.split.dim))
+
+    def cut_up(self, tensor: torch.Tensor) -> list:
+        """A tensor in Megatron's layout (the input, the output's gradient) as the copies' pieces."""
+        return _pieces(self.layout.to_copies(tensor), self.split.dim, self.split.sizes)
+
     def forward(self, hidden: torch.Tensor, grad: bool):
-        pieces = [piece.detach().contiguous().requires_grad_(grad) for piece in _pieces(hidden, 1, self.split.sizes)]
+        pieces = [piece.detach().contiguous().requires_grad_(grad) for piece in self.cut_up(hidden)]
         block, original = self.block, self.original
+        answering = contextlib.nullcontext()
+        if self.split.kind == SEQUENCE:  # the copies meet in the attention (meeting.py)
+            answering = meeting.Meeting(self.split.copies, self.split.mask, _kernel_preference()).answering(block)
         held_input = getattr(block, "input_tensor", None)
 
         def copy(index):
@@ -58,7 +75,7 @@ class CopiesRunner:
                                 chunk_linears=self.split.chunk_linears)
         run.cuts = self.cuts if grad else None
         try:
-            with cuts.marking(block), collectives.INTERCEPTION.entered():
+            with cuts.marking(block), answering, collectives.INTERCEPTION.entered():
                 outputs = run.run([copy(i) for i in range(self.split.copies)])
         finally:
             if not block.pre_process:
@@ -69,11 +86,11 @@ class CopiesRunner:
         """The copies' backward (segments.py) and the input's gradient. Without ``params`` the
         parameters' gradients accumulate as they do without copies; with them (auto's trials) they
         are returned, summed over the copies, and nothing is accumulated."""
-        grads = [piece.contiguous() for piece in _pieces(grad_output, 1, self.split.sizes)]
+        grads = [piece.contiguous() for piece in self.cut_up(grad_output)]
         with collectives.INTERCEPTION.entered():
             grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
                                                          self.split.chunk_linears)
-        return torch.cat(grad_pieces, dim=1), grad_params
+        return self.join(grad_pieces), grad_params
 
 
 def backward_in_turn(block, cut: bool) -> str | None:
@@ -93,7 +110,7 @@ class CopiesThroughBlock(torch.autograd.Function):
     def forward(ctx, runner, hidden, *params):
         pieces, outputs = runner.forward(hidden, grad=True)
         ctx.runner, ctx.pieces, ctx.outputs, ctx.params = runner, pieces, outputs, params
-        return torch.cat([output.detach() for output in outputs], dim=1)
+        return runner.join([output.detach() for output in outputs])
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -112,7 +129,7 @@ def copies_call(block, original, arguments: dict, split: Split, params_for_grad:
     runner = CopiesRunner(block, bound_original, arguments, split)
     if not torch.is_grad_enabled():
         _, outputs = runner.forward(hidden, grad=False)
-        return torch.cat(outputs, dim=1), None
+        return runner.join(outputs), None
     params = [p for p in block.parameters() if p.requires_grad] if params_for_grad else []
     output = CopiesThroughBlock.apply(runner, hidden, *params)
     return output, backward_in_turn(block, any(runner.cuts))
@@ -121,3 +138,11 @@ def copies_call(block, original, arguments: dict, split: Split, params_for_grad:
 def run_copies(block, original, arguments: dict, split: Split, params_for_grad: bool = False):
     """:func:`copies_call`'s output alone (auto's trials)."""
     return copies_call(block, original, arguments, split, params_for_grad)[0]
+
+
+def _kernel_preference() -> str:
+    """COC_ATTN_KERNEL of the job (auto without one)."""
+    from coc_inject import job
+
+    current = job.current()
+    return getattr(getattr(current, "config", None), "attn_kernel", None) or "auto"

@@ -42,7 +42,7 @@ class MultiCopy:
         split = splits.plan(block, self.copies, arguments)
         if isinstance(split, str):
             return split, None
-        choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.batch)
+        choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.rows)
         if len(choices) > 1:
             split = auto.choose(self.installation.tuner(job.MULTI_COPY), block, original, arguments, split, choices)
         return (AUTO_STEPPED_ASIDE, None) if split is None else (split, arguments)

@@ -3,16 +3,21 @@ or why not); the call runs as copies in block.py.
 
 A block call splits its micro-batch along the batch dimension (hidden states ``[s, b, h]`` on dim 1,
 with or without sequence parallelism; the mask's and every per-sample input's batch rows with them;
-rotary embeddings shared). A block or a call that copies cannot run exactly runs Megatron's block
-with a reason (:func:`block_reason`, :func:`plan`).
+rotary embeddings shared). A micro-batch the copies do not divide (micro-batch 1 above all) splits
+the sequence instead (sequence.py: copy 0 the first positions; the copies meet in the attention,
+meeting.py). A block or a call that copies cannot run exactly runs Megatron's block with a reason
+(:func:`block_reason`, :func:`plan`).
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from coc_inject.multi_copy import sequence
+from coc_inject.multi_copy.sequence import BATCH, SEQUENCE
 
 # Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
 # shared by every copy when they hold no batch (rotary embeddings) or refused (plan()).
@@ -25,23 +30,34 @@ REFUSED = {"inference_context": "inference", "inference_params": "inference", "s
            "dynamic_inference_decode_only": "inference"}
 
 # What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
-WITHOUT_COPIES = ("a micro-batch not divisible by the copies", "dropout > 0", "MoE layers", "packed sequences",
+WITHOUT_COPIES = ("a micro-batch not divisible by the copies whose sequence cannot split either (context "
+                  "parallelism, recompute, a mask that lets a position see a later one, another attention)",
+                  "dropout > 0", "MoE layers", "packed sequences",
                   "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
                   "a torch whose autograd the copies' backward cannot rely on (checked at install)")
 
 
 @dataclass(frozen=True)
 class Split:
-    """How one call is cut: the copies' sizes along the batch and which arguments are cut."""
+    """How one call is cut: along the batch (``kind`` BATCH: which arguments are cut along their batch
+    dimension) or the sequence (SEQUENCE: sequence.py), and the copies' sizes along it."""
 
     copies: int
-    batch: int
-    cut: tuple  # names of the arguments cut along their batch dimension
+    rows: int  # this rank's rows along the split: the micro-batch, or the sequence (SP: this rank's part)
+    cut: tuple  # BATCH: names of the arguments cut along their batch dimension
     chunk_linears: bool = True  # False: COC_PARALLEL_NUM=auto's linears run Megatron's path in the copies
+    kind: str = BATCH
+    mask: str | None = None  # SEQUENCE: the mask tensor's kind (sequence.mask_kind), None without one
+    group: object = field(default=None, compare=False)  # SEQUENCE with SP: the TP group the rows cross
 
     @property
     def sizes(self) -> list:
-        return [self.batch // self.copies] * self.copies
+        return [self.rows // self.copies] * self.copies
+
+    @property
+    def dim(self) -> int:
+        """The hidden states' dim the copies split: the sequence (0) or the batch (1)."""
+        return 0 if self.kind == SEQUENCE else 1
 
 
 def block_reason(block, copies: int) -> str | None:
@@ -74,7 +90,7 @@ def plan(block, copies: int, arguments: dict) -> Split | str:
         return "the hidden states are not one [s, b, h] tensor"
     batch = hidden.shape[1]
     if batch % copies:
-        return f"micro-batch {batch} is not divisible by {copies} copies"
+        return _sequence_split(block, copies, arguments, hidden)
     cut = []
     for name, value in arguments.items():
         if name in ("self", "hidden_states") or value is None:
@@ -93,6 +109,26 @@ def plan(block, copies: int, arguments: dict) -> Split | str:
         elif name not in BATCH_DIMS and name not in SHARED and name not in REFUSED and not _plain(value):
             return f"an argument coc-inject does not know how to split ({name})"
     return Split(copies, batch, tuple(cut))
+
+
+def _sequence_split(block, copies: int, arguments: dict, hidden) -> Split | str:
+    """The call's sequence split (sequence.py), or why not."""
+    config = block.config
+    rows = hidden.shape[0]
+    tp = config.tensor_model_parallel_size
+    shuffled = bool(config.sequence_parallel) and tp > 1
+    seq = rows * tp if shuffled else rows
+    why = sequence.reason(block, hidden.shape[1], rows, copies, arguments, seq)
+    if why is not None:
+        return why
+    group = None
+    if shuffled:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    mask = arguments.get("attention_mask")
+    return Split(copies, rows, (), kind=SEQUENCE, group=group,
+                 mask=None if mask is None else sequence.mask_kind(mask, seq))
 
 
 def _plain(value) -> bool:

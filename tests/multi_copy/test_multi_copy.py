@@ -151,10 +151,14 @@ def test_backward_reads_no_collective_before_its_wait(pool):
 
 
 @newest_only
-@pytest.mark.parametrize("b,reason", [(1, "micro-batch 1 is not divisible by 2 copies"),
-                                      (3, "micro-batch 3 is not divisible by 2 copies")])
-def test_a_micro_batch_copies_cannot_split_runs_megatrons_block(pool, b, reason):
-    run(pool, want_routes=[(1, reason)], tp=2, sp=True, b=b)
+@pytest.mark.parametrize("b", [1, 3])
+def test_a_micro_batch_whose_sequence_cannot_split_either_runs_megatrons_block(pool, b):
+    """Micro-batch 1 or 3 with 2 copies splits the sequence (test_sequence_copies.py); with selective
+    recompute of the core attention it cannot (the recomputed attention would not reach the earlier
+    copy's keys): Megatron's block, with the reason."""
+    reason = (f"micro-batch {b} is not divisible by 2 copies, and sequence copies cannot run: selective recompute "
+              "(the recomputed attention would not reach the earlier copies' keys)")
+    run(pool, want_routes=[(1, reason)], tp=2, sp=True, b=b, recompute_granularity="selective")
 
 
 @newest_only

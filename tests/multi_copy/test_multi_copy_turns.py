@@ -209,10 +209,10 @@ def test_auto_tries_the_counts_that_divide_the_micro_batch_and_a_fixed_count_its
     from coc_inject.multi_copy.splits import Split
     from coc_inject.routes import unchunked
 
-    assert auto.candidates(2, True, False, batch=8) == [1, 2, 4]
-    assert auto.candidates(2, True, True, batch=6) == [1, 2]  # auto copies: the linears as set
-    assert auto.candidates(4, False, True, batch=8) == [4, unchunked(4)]
-    assert auto.candidates(2, False, False, batch=8) == [2]  # nothing to try
+    assert auto.candidates(2, True, False, rows=8) == [1, 2, 4]
+    assert auto.candidates(2, True, True, rows=6) == [1, 2]  # auto copies: the linears as set
+    assert auto.candidates(4, False, True, rows=8) == [4, unchunked(4)]
+    assert auto.candidates(2, False, False, rows=8) == [2]  # nothing to try
     assert auto.split_for(unchunked(4), Split(2, 8, ())) == Split(4, 8, (), False)
     assert auto.split_for(1, Split(2, 8, ())) is None
 

@@ -27,6 +27,8 @@ ALLOWED = [
      "the config fingerprints, once per process group (a dict lookup after)"),
     ("context_parallel/attention.py", "_mask_is_causal", "any", "once per attention mask tensor (then cached)"),
     ("context_parallel/attention.py", "_mask_is_causal", "equal", "once per attention mask tensor (then cached)"),
+    ("multi_copy/sequence.py", "mask_kind", "all",
+     "once per attention mask tensor (then cached), for a block call planned as sequence copies"),
     ("moe/counts.py", "split", "tolist",
      "per MoE call, on the host tensor Megatron's own device-to-host copy brought and its sync point waited for"),
 ]

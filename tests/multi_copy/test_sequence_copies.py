@@ -1,0 +1,50 @@
+"""Sequence copies (a micro-batch the copies do not divide: the copies split the sequence, copy 0 the
+first positions; the copies meet in the attention) on a real megatron-core GPT, 4 gloo ranks: the
+same training as without copies (losses and parameters after 3 SGD steps within 1e-5 relative, fp32),
+every collective in the same order on every rank, and the calls sequence copies cannot run exactly
+run Megatron's block with the reason."""
+
+import pytest
+
+from tests.context_parallel.test_cp_gpt import assert_same_training, pool  # noqa: F401 - pool: a fixture
+from tests.multi_copy.test_multi_copy import block_calls, interleaved, reference, run
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_micro_batch_1_splits_the_sequence_causal_without_a_mask(pool, sp):
+    run(pool, tp=2, sp=sp, b=1, mask="none")
+
+
+def test_causal_mask_tensor_rope_and_gqa(pool):
+    run(pool, tp=2, sp=True, b=1, rope=True, groups=2)
+
+
+def test_padding_mask_runs_megatrons_attention_on_the_keys_so_far(pool):
+    run(pool, tp=2, sp=True, b=1, mask="padding")
+
+
+def test_micro_batch_3_with_2_copies_splits_the_sequence(pool):
+    run(pool, tp=2, sp=True, b=3, mask="none")
+
+
+def test_every_rank_issues_the_same_collectives_in_the_copies_interleave(pool):
+    got = run(pool, tp=4, sp=True, b=1, mask="none", record=True, poison=True)
+    first = got[0]["collectives"]
+    for rank, result in enumerate(got[1:], start=1):
+        assert result["collectives"] == first, f"rank {rank} issued its collectives in another order"
+    calls = block_calls(first)
+    assert len(calls) == 2 * 3, calls  # one block per step: its forward and its backward
+    for call in calls:
+        assert call == interleaved(call), call
+        assert [r[3] for r in call].count(0) == [r[3] for r in call].count(1) >= 2 * 2
+    # the rows cross the TP group at the block's edges, outside the copies: in, out; the gradients back
+    outside = [record[0] for record in first if record[3] is None and record[0] == "all_to_all_single"]
+    assert len(outside) == 4 * 3, outside
+
+
+def test_a_mask_that_lets_a_position_see_a_later_one_runs_megatrons_block(pool):
+    got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, sp=True, b=1, steps=1,
+                   mask="none", mask_type="no_mask")
+    assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "later copy's keys" in r["routes"][0][1]
+               for r in got), [r["routes"] for r in got]
+    assert_same_training(got, reference(pool, tp=2, sp=True, b=1, steps=1, mask="none", mask_type="no_mask"))
