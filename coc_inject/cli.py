@@ -175,7 +175,9 @@ def multi_copy_status(config) -> str:
               if config.multi_copy == AUTO else f"{config.multi_copy} copies")
     if config.tunes_linears and config.multi_copy != AUTO:
         copies += ", the trials also deciding whether the linears in the copies chunk (COC_PARALLEL_NUM=auto)"
-    return (f"TransformerBlock calls as {copies}, split along the batch, taking turns at their collectives "
+    return (f"TransformerBlock calls as {copies}, split along the batch (along the sequence where the micro-batch "
+            "does not divide: copy 0 the first positions, the copies meeting in the attention), taking turns at their "
+            "collectives "
             f"(the backward from autograd's thread, interleaved at the cuts); Megatron's block for: {', '.join(WITHOUT_COPIES)}")
 
 

@@ -150,6 +150,7 @@ class CopiesRoute:
     layers: int
     reason: str | None = None
     backward_in_turn: str | None = None  # copies whose forward marked no cut: why their backward cannot overlap
+    split: str | None = None  # with copies: "batch" or "sequence" (what the copies split)
 
 
 @dataclass(frozen=True)

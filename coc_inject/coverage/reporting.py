@@ -54,8 +54,13 @@ def copies_summary(coverage) -> str | None:
     parts = []
     if copied:
         calls = sum(n for route, n in routes.items() if route.copies > 1)
+        splits: dict = {}
+        for route, n in routes.items():
+            if route.copies > 1:
+                splits[route.split or "batch"] = splits.get(route.split or "batch", 0) + n
         parts.append(f"multi-copy {'/'.join(map(str, copied))} on {sum(blocks.values())} layers "
-                     f"({len(blocks)} block{'s' if len(blocks) != 1 else ''}): {calls} calls")
+                     f"({len(blocks)} block{'s' if len(blocks) != 1 else ''}): {calls} calls ("
+                     + ", ".join(f"{kind} split {n}" for kind, n in sorted(splits.items())) + ")")
     in_turn: dict = {}
     for route, n in routes.items():
         if route.backward_in_turn is not None:
@@ -155,7 +160,8 @@ def _layer_entry(record, route, calls: int) -> dict:
     if isinstance(route, CopiesRoute):
         return {"name": record.name or record.cls, "class": record.cls, "shape": shape, "route": route.name,
                 "copies": route.copies, "layers": route.layers, "chunks": None, "backend": None,
-                "reason": route.reason, "backward_in_turn": route.backward_in_turn, "calls": calls}
+                "reason": route.reason, "backward_in_turn": route.backward_in_turn, "split": route.split,
+                "calls": calls}
     if isinstance(route, MoERoute):
         return {"name": record.name or record.cls, "class": record.cls, "shape": shape, "route": route.name,
                 "pieces": route.pieces, "chunks": route.chunks or None, "backend": None, "reason": route.reason,

@@ -12,6 +12,10 @@ its wait does:
   collective of the cut's kind is left in flight (:class:`DeferredWork`) until the copy's next
   turn; every other wait is a wait.
 
+The backward also issues a sequence-parallel column linear's re-gather of its input ahead, at the
+start of the copy's band (:class:`Gathered`); the linear's own all-gather of that input is then
+served from it and issues nothing.
+
 Either way every collective is issued at a program point of one copy: the same order on every rank."""
 
 from __future__ import annotations
@@ -55,6 +59,56 @@ class DeferredWork:
                 output.copy_(private)
 
 
+class Gathered:
+    """An all-gather of ``tensor`` over ``group`` issued ahead of its caller (segments.py: at the start
+    of the copy's band that holds the column linear re-gathering its saved input); :meth:`serve`
+    hands it to that caller's own all-gather of the same input, which issues nothing."""
+
+    def __init__(self, tensor, group):
+        import torch.distributed as dist
+
+        self.input, self.group = tensor, group
+        self.output = tensor.new_empty((tensor.shape[0] * dist.get_world_size(group), *tensor.shape[1:]))
+        self._work = dist.all_gather_into_tensor(self.output, tensor, group=group, async_op=True)
+
+    def matches(self, output, tensor, group) -> bool:
+        return (group is self.group and tensor.data_ptr() == self.input.data_ptr() and tensor.dtype == self.input.dtype
+                and tensor.shape == self.input.shape and output.shape == self.output.shape)
+
+    def complete(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def serve(self, output) -> "_Served":
+        if _poison:  # the caller's buffer reads NaN until its wait
+            output.fill_(float("nan"))
+        return _Served(self, output)
+
+
+class _Served:
+    """The caller's handle on a :class:`Gathered`: its wait completes the gather into the caller's output."""
+
+    def __init__(self, gathered, output):
+        self._gathered, self._output = gathered, output
+
+    def wait(self, *args, **kwargs):
+        self._gathered.complete()
+        self._output.copy_(self._gathered.output)
+        return True
+
+
+def _served(run, args, kwargs):
+    """The handle of a :class:`Gathered` the copies' run holds for this all-gather, or None."""
+    serve = getattr(run, "serve", None)
+    if serve is None or len(args) + len(kwargs) < 2:
+        return None
+    output = args[0] if args else kwargs.get("output_tensor")
+    tensor = args[1] if len(args) > 1 else kwargs.get("input_tensor")
+    group = args[2] if len(args) > 2 else kwargs.get("group")
+    return serve(output, tensor, group)
+
+
 def _deferred(original, args, kwargs, output_name):
     """Start ``original`` left in flight; :func:`poisoned`: into private outputs, the caller's NaN meanwhile."""
     if not _poison:
@@ -84,7 +138,9 @@ def wrap(original):
     except (TypeError, ValueError):
         parameters = []
     async_index = parameters.index("async_op") if "async_op" in parameters else None
-    kind = KINDS.get(getattr(inspect.unwrap(original), "__name__", ""))
+    name = getattr(inspect.unwrap(original), "__name__", "")
+    kind = KINDS.get(name)
+    served = name in ("all_gather_into_tensor", "_all_gather_base")  # one output tensor: may be gathered ahead
     output_name = parameters[0] if parameters else None
 
     def collective(*args, **kwargs):
@@ -97,11 +153,12 @@ def wrap(original):
         else:
             wants_handle = bool(kwargs.get("async_op", False))
             kwargs["async_op"] = True
-        if run.defers(kind):
+        work = _served(run, args, kwargs) if served else None  # gathered ahead: nothing to issue
+        if work is None and run.defers(kind):
             work = _deferred(original, args, kwargs, output_name)
             if work is not None:
                 run.hold(work)
-        else:
+        elif work is None:
             work = original(*args, **kwargs)
             work = None if work is None else run.handle(work)
         if work is None:  # e.g. a rank outside the group: nothing was issued

@@ -11,6 +11,10 @@ The mark is an identity autograd node (:class:`Cut`) whose sequence number split
 graph into segments (segments.py). Marks are program points of the copies, the same on every rank;
 they are recorded only in a copy's forward with grad on (a recompute's forward, under no grad or
 inside the backward, records none).
+
+A sequence-parallel column linear's backward also all-gathers its input again (for the weight
+gradient) and waits for it inside the same node: its cut keeps that input (:class:`CutPoint`), so
+the copies' backward can issue the gather earlier, at the start of the copy's band (segments.py).
 """
 
 from __future__ import annotations
@@ -45,19 +49,33 @@ class Cut(torch.autograd.Function):
     def backward(ctx, grad):
         run = copy_context.current()
         if run is not None:
+            starting = getattr(run, "start_band", None)  # the copies' backward: the band's gathers first
+            if starting is not None:
+                starting(ctx)  # ctx is this node
             run.complete(ctx.copy)
         return grad, None
 
 
-def mark(x, kind: str):
-    """``x`` through a :class:`Cut` recorded for the calling copy, when its forward records cuts."""
+class CutPoint(tuple):
+    """``(sequence number, node, kind)`` of one cut; ``.input``: the marked tensor where the node
+    after it may gather it again in its backward (a sequence-parallel column linear's), else None."""
+
+    input = None
+
+
+def mark(x, kind: str, gathered: bool = False):
+    """``x`` through a :class:`Cut` recorded for the calling copy, when its forward records cuts
+    (``gathered``: the next node may all-gather ``x`` in its backward: the cut keeps it)."""
     run = copy_context.current()
     cuts = getattr(run, "cuts", None)
     if cuts is None or not isinstance(x, torch.Tensor) or not x.requires_grad or not torch.is_grad_enabled():
         return x
     copy = copy_context.current_copy()
     marked = Cut.apply(x, copy)
-    cuts[copy].append((marked.grad_fn._sequence_nr(), marked.grad_fn, kind))
+    point = CutPoint((marked.grad_fn._sequence_nr(), marked.grad_fn, kind))
+    if gathered:
+        point.input = marked  # saved by the linear as well: no memory of its own
+    cuts[copy].append(point)
     return marked
 
 
@@ -74,11 +92,12 @@ def _column_class(cls) -> bool:
 
 
 def _mark_column_input(module, args, kwargs):
+    gathered = bool(getattr(module, "sequence_parallel", False))
     if args:
-        return (mark(args[0], REDUCE), *args[1:]), kwargs
+        return (mark(args[0], REDUCE, gathered), *args[1:]), kwargs
     for name in _INPUT_NAMES:
         if name in kwargs:
-            return args, dict(kwargs, **{name: mark(kwargs[name], REDUCE)})
+            return args, dict(kwargs, **{name: mark(kwargs[name], REDUCE, gathered)})
     return None
 
 

@@ -70,7 +70,7 @@ def wrap(original, multi_copy: MultiCopy):
             multi_copy.count(self, CopiesRoute(1, len(self.layers), split))
             return original(self, *args, **kwargs)
         output, in_turn = copies_block.copies_call(self, original, arguments, split)
-        multi_copy.count(self, CopiesRoute(split.copies, len(self.layers), None, in_turn))
+        multi_copy.count(self, CopiesRoute(split.copies, len(self.layers), None, in_turn, split.kind))
         return output
 
     return forward

@@ -16,7 +16,7 @@ from tests.multi_copy.multi_copy_cases import CollectiveRecorder
 
 def numbers_left_as_they_are(per_copy) -> dict:
     """segments.renumber on a torch whose _set_sequence_nr changed nothing: autograd's own order."""
-    return {node._sequence_nr(): copy for copy, (segments_, cut_nodes, _) in enumerate(per_copy)
+    return {node._sequence_nr(): copy for copy, (segments_, cut_nodes, *_) in enumerate(per_copy)
             for node in [*(n for segment in segments_ for n in segment), *filter(None, cut_nodes)]}
 
 

@@ -133,6 +133,7 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     with contextlib.ExitStack() as inside:  # left in the reverse order
         routes, autograd_calls = inside.enter_context(recorded_routes()), inside.enter_context(autograd_on_one_thread())
         inside.enter_context(_cut_waits(not skip_cut_waits))
+        served = inside.enter_context(_served_gathers())
         if poison:
             inside.enter_context(copies_collectives.poisoned())
         if recorder is not None:
@@ -143,7 +144,28 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     result["routes"] = sorted(set(routes), key=repr)
     result["backward_in_turn"] = sorted(why for why in routes.in_turn if why is not None)
     result["collectives"] = recorder.calls if recorder is not None else None
+    result["gathers_served"] = len(served)
     return result
+
+
+@contextlib.contextmanager
+def _served_gathers():
+    """The column linears' all-gathers the copies' backward served from a gather issued ahead."""
+    from coc_inject.multi_copy import segments
+
+    serve, served = segments.Segmented.serve, []
+
+    def counting(run, *args):
+        handle = serve(run, *args)
+        if handle is not None:
+            served.append(handle)
+        return handle
+
+    segments.Segmented.serve = counting
+    try:
+        yield served
+    finally:
+        segments.Segmented.serve = serve
 
 
 @contextlib.contextmanager

@@ -145,6 +145,9 @@ def test_backward_reads_no_collective_before_its_wait(pool):
     equals no copies; without them (a deliberately broken backward) the NaN reaches the gradients."""
     got = run(pool, tp=2, sp=True, b=4, poison=True)
     assert all(r["autograd_calls"] == 3 for r in got)  # one per step's block backward, on its one thread
+    # Every column linear's re-gather of its input (2 layers x 2 linears x 2 copies, 3 steps) was issued
+    # ahead and served from there, its buffer NaN until its wait.
+    assert all(r["gathers_served"] == 3 * 2 * 2 * 2 for r in got), [r["gathers_served"] for r in got]
     broken = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, sp=True, b=4, steps=1,
                       poison=True, skip_cut_waits=True)
     assert all(any(p.isnan().any() for p in r["params"].values()) for r in broken), "poison was read and not seen"
