@@ -116,13 +116,16 @@ def gathers_input(node) -> bool:
             and getattr(node, "tp_group", None) is not None and getattr(node, "gtp_remat_size", 1) in (None, 0, 1))
 
 
-def bands(output: torch.Tensor, cuts: list) -> tuple:
+def bands(output: torch.Tensor, cuts: list, claimed: set | None = None) -> tuple:
     """The nodes of one copy's graph by segment, and its ends: ``(segments, cut_nodes, ends, gathers)``
     where ``segments[k]`` lists segment k's nodes (cut nodes apart) and ``cut_nodes[k]`` the node of the
     cut opening segment k (None for segment 0), ``ends`` (node after a cut, kind) where that cut
     has exactly one such node, ``gathers`` (the cut node starting a band, tensor, group) for each
     column linear that re-gathers its input in that band. ``cuts``: (sequence number, node, kind) in
-    forward order (cuts.CutPoint: with the input a column linear may gather)."""
+    forward order (cuts.CutPoint: with the input a column linear may gather). ``claimed``:
+    the nodes (ids) of the copies walked before, left out and added to (a sequence copy's attention
+    reaches into the earlier copies' graphs, meeting.py: those nodes keep their own copy's band)."""
+    claimed = set() if claimed is None else claimed
     bounds = [seq for seq, _, _ in cuts]
     cut_ids = {id(node) for _, node, _ in cuts}
     segments = [[] for _ in range(len(cuts) + 1)]
@@ -135,13 +138,14 @@ def bands(output: torch.Tensor, cuts: list) -> tuple:
         if id(node) not in cut_ids:
             segments[bisect.bisect_right(bounds, node._sequence_nr())].append(node)
         for next_node, _ in node.next_functions:
-            if next_node is None or hasattr(next_node, "variable"):  # AccumulateGrad: runs when ready
-                continue
+            if next_node is None or hasattr(next_node, "variable") or id(next_node) in claimed:
+                continue  # AccumulateGrad: runs when ready; another copy's node: in that copy's band
             if id(next_node) in cut_ids:
                 consumers.setdefault(id(next_node), []).append(node)
             if id(next_node) not in seen:
                 seen.add(id(next_node))
                 stack.append(next_node)
+    claimed.update(seen)
     ends, gathers = [], []
     for index, point in enumerate(cuts):
         _, node, kind = point
@@ -180,7 +184,8 @@ def backward(outputs: list, grad_outputs: list, pieces: list, cuts: list, params
     with ``params``, their gradients (summed over the copies, nothing accumulated: auto's trials)."""
     n = len(outputs)
     run = Segmented(n, chunk_linears)
-    per_copy = [bands(output, copy_cuts) for output, copy_cuts in zip(outputs, cuts)]
+    claimed: set = set()
+    per_copy = [bands(output, copy_cuts, claimed) for output, copy_cuts in zip(outputs, cuts)]
     run.copy_of_node = renumber(per_copy)
     handles = []
     for copy, (_, _, ends, gathers) in enumerate(per_copy):
