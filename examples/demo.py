@@ -302,9 +302,12 @@ def main(argv=None) -> int:
         from coc_inject.testbed.link import EmulatedLink
 
         with tempfile.TemporaryDirectory() as workdir, EmulatedLink(args.link_rate) as link:
-            return 0 if copies_runs(f"multi-copy over the emulated {args.link_rate} link", workdir, link, LINK_STEPS,
-                                    args.script_args or LINK_MODEL, args.copies_rounds, ALL_COPIES, {},
-                                    COPIES_TARGETS) else 1
+            ok = copies_runs(f"multi-copy over the emulated {args.link_rate} link", workdir, link, LINK_STEPS,
+                             args.script_args or LINK_MODEL, args.copies_rounds, ALL_COPIES, {}, COPIES_TARGETS)
+            ok &= copies_runs(f"multi-copy at micro-batch 1 over the emulated {args.link_rate} link (sequence copies: "
+                              "the copies split the sequence, copy 0 the first positions)", workdir, link, LINK_STEPS,
+                              LINK_MODEL_MB1, args.copies_rounds, MB1_COPIES, {}, MB1_TARGETS)
+            return 0 if ok else 1
     if args.part in ("all", "coc"):
         ok &= coc_parts(args)
     if args.part in ("all", "cp"):
@@ -375,6 +378,11 @@ ALL_COPIES = {"off": {}, "COC_PARALLEL_NUM=auto": {"COC_PARALLEL_NUM": "auto"}, 
               "COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto": {"COC_MULTI_COPY": "2", "COC_PARALLEL_NUM": "auto"},
               "COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}}
 COPIES_TARGETS = {"COC_MULTI_COPY=2": 1.15, BOTH_AUTO: 1.20}
+# Micro-batch 1 (sequence copies): the link model's tokens in one sequence.
+LINK_MODEL_MB1 = ["--seq-length", "2048", "--micro-batch-size", "1", "--hidden-size", "512",
+                  "--ffn-hidden-size", "512", "--num-attention-heads", "8"]
+MB1_COPIES = {"off": {}, "COC_MULTI_COPY=2": {"COC_MULTI_COPY": "2"}, "COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}}
+MB1_TARGETS = {"COC_MULTI_COPY=2": 1.15, "COC_MULTI_COPY=auto": 1.25}
 LOOPBACK_AUTO_TARGET = 0.97  # COC_MULTI_COPY=auto on loopback: never slower than off beyond the noise
 
 
@@ -397,7 +405,8 @@ def print_copies(report_path, extra) -> None:
     for layer in report["layers"]:
         if layer["route"] == "multi-copy":
             print(f"   {layer['class']} ({layer['layers']} layers): "
-                  + (f"{layer['copies']} copies" if layer["copies"] > 1 else f"no copies: {layer['reason']}")
+                  + (f"{layer['copies']} copies ({layer.get('split') or 'batch'} split)" if layer["copies"] > 1
+                     else f"no copies: {layer['reason']}")
                   + f", {layer['calls']} calls")
     for decision in report.get("multi_copy_decisions", []):
         times = ", ".join(f"{'no copies' if c == '1' else c + ' copies' if c.isdigit() else c} {t:.1f} ms"

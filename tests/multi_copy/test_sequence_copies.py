@@ -55,3 +55,12 @@ def test_a_mask_that_lets_a_position_see_a_later_one_runs_megatrons_block(pool):
     assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "later copy's keys" in r["routes"][0][1]
                for r in got), [r["routes"] for r in got]
     assert_same_training(got, reference(pool, tp=2, sp=True, b=1, steps=1, mask="none", mask_type="no_mask"))
+
+
+def test_micro_batch_1_inside_each_pipeline_stage(pool):
+    """TP 2 x PP 2 (SP), micro-batches of 1: stage 1's block splits the sequence of the input tensor
+    Megatron hands it."""
+    want = pool.run("tests.multi_copy.multi_copy_cases:train_pipeline", copies=1, b=2)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_pipeline", copies=2, b=2)
+    assert all(r["routes"] == [(2, None)] for r in got), [r["routes"] for r in got]
+    assert_same_training(got, want)
