@@ -38,7 +38,7 @@ def layer_reason(layer) -> str | None:
     """Why this MoE layer cannot run as pieces (None: it can). Decided once per layer: these are
     the layer's construction, not its input."""
     dispatcher = getattr(layer, "token_dispatcher", None)
-    kind = type(dispatcher).__name__
+    kind = dispatcher.__class__.__name__  # Megatron's class also behind multi-copy's per-copy dispatcher
     if kind == "MoEAllGatherTokenDispatcher":
         return "the allgather dispatcher: it moves every token to every rank (nothing to cut per expert)"
     if kind == "MoEFlexTokenDispatcher":

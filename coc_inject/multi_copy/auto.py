@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from coc_inject.multi_copy import block as copies_block
+from coc_inject.multi_copy import block as copies_block, moe as copies_moe
 from coc_inject.routes import chunks_linears, copies_of, unchunked
 
 
@@ -122,7 +122,9 @@ def choose(tuner, block, original, arguments: dict, split, choices: list):
             if backward:
                 torch.autograd.grad(out, [probe] + params, torch.ones_like(out), allow_unused=True)
 
-    choice = tuner.decide(key, group_of(block), hidden.device, choices, choices[0], trial, group_name="TPxCP",
-                          touches=(block,))
+    moe_group = copies_moe.trial_group(block)  # an MoE block's all-to-alls reach beyond TP x CP
+    with copies_moe.routers_as_found(block):
+        choice = tuner.decide(key, moe_group or group_of(block), hidden.device, choices, choices[0], trial,
+                              group_name="TPxCP" if moe_group is None else "TPxDPxCP", touches=(block,))
     return split_for(choice, split)
 

@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from coc_inject import rng_state
-from coc_inject.multi_copy import collectives, cuts, meeting, scheduler, segments, sequence
+from coc_inject.multi_copy import collectives, cuts, meeting, moe, scheduler, segments, sequence
 from coc_inject.multi_copy.splits import BATCH_DIMS, SEQUENCE, Split
 
 
@@ -75,7 +75,8 @@ class CopiesRunner:
                                 chunk_linears=self.split.chunk_linears)
         run.cuts = self.cuts if grad else None
         try:
-            with cuts.marking(block), answering, collectives.INTERCEPTION.entered():
+            with cuts.marking(block), answering, collectives.INTERCEPTION.entered(), \
+                    moe.per_copy(block, self.split):
                 outputs = run.run([copy(i) for i in range(self.split.copies)])
         finally:
             if not block.pre_process:

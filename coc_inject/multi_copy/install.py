@@ -6,6 +6,7 @@
 * ``TransformerBlock.forward``: forward.wrap (a call as copies, or Megatron's with the reason).
 * Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
 * Megatron's global memory buffer: a name per copy, forward and backward (forward.py).
+* Megatron's MoE router (0.16+): its routing losses formed per copy, summing to the batch's (moe.py).
 
 Before anything is patched, autograd_check.reason() runs the copies' backward once on a tiny graph:
 on a torch whose autograd does not behave as it assumes, every block runs Megatron's forward with
@@ -24,7 +25,7 @@ import importlib
 
 from coc_inject import job
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import autograd_check, cuts, forward
+from coc_inject.multi_copy import autograd_check, cuts, forward, moe
 
 
 def install(config, transformer_block_module) -> None:
@@ -43,6 +44,7 @@ def _install(installation, transformer_block_module) -> None:
 
     patches.patch(GlobalMemoryBuffer, "get_tensor",
                   forward.per_copy_get_tensor(patches.original(GlobalMemoryBuffer, "get_tensor")))
+    moe.install(patches)  # the routers' losses formed per copy (inside copies only)
     cls = transformer_block_module.TransformerBlock
     multi_copy = forward.MultiCopy(installation, autograd_check.reason())
     patches.patch(cls, "forward", forward.wrap(patches.original(cls, "forward"), multi_copy))

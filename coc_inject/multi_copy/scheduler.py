@@ -24,6 +24,9 @@ from typing import Callable, Sequence
 
 from coc_inject import copy_context
 
+_ABSENT = object()  # a copy not yet at a meeting
+
+
 class CopyAborted(RuntimeError):
     """Another copy failed: this one stops at its next hand-over."""
 
@@ -57,6 +60,10 @@ class Copies:
     def running_copy(self) -> int | None:
         """The copy the calling code runs as: here its thread's (the backward's run overrides it)."""
         return copy_context.current_copy()
+
+    def meet(self, key, value) -> list | None:
+        """Every copy's ``value`` at the program point ``key`` (CopyRun.meet); None: copies cannot meet here."""
+        return None
 
 
 def current_copy() -> int | None:
@@ -94,6 +101,7 @@ class CopyRun(Copies):
         self._failed: BaseException | None = None
         self._cond = threading.Condition()
         self._saved: list = [None] * n
+        self._meetings: dict = {}
 
     # -- inside a copy ------------------------------------------------------------------------
 
@@ -107,6 +115,22 @@ class CopyRun(Copies):
         if nxt == index or self.alone:
             return
         self._switch(index, nxt)
+
+    def meet(self, key, value) -> list:
+        """Every copy's ``value`` at the program point ``key``, which each copy reaches once: the calling
+        copy hands the baton on until all have, and they leave in copy order, copy 0 first, so their
+        turns go on as before the meeting (a program point of every copy: the same order on every
+        rank). An MoE router's batch aux loss combines the copies' token counts here."""
+        index = copy_context.current_copy()
+        slots, left = self._meetings.setdefault(key, ([_ABSENT] * self.n, [0]))
+        slots[index] = value
+        while left[0] < index or any(slot is _ABSENT for slot in slots):
+            nxt = self._next_after(index)
+            if nxt == index or self.alone:
+                raise RuntimeError(f"multi-copy: copy {index} waits at {key!r} for a copy that cannot come")
+            self._switch(index, nxt)
+        left[0] = index + 1
+        return list(slots)
 
     def _next_after(self, index: int) -> int:
         for step in range(1, self.n + 1):

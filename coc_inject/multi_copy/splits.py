@@ -32,7 +32,9 @@ REFUSED = {"inference_context": "inference", "inference_params": "inference", "s
 # What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
 WITHOUT_COPIES = ("a micro-batch not divisible by the copies whose sequence cannot split either (context "
                   "parallelism, recompute, a mask that lets a position see a later one, another attention)",
-                  "dropout > 0", "MoE layers", "packed sequences",
+                  "dropout > 0",
+                  "MoE layers with global_aux_loss, a capacity factor, sinkhorn routing, the batch aux_loss under "
+                  "recompute or a padding mask", "packed sequences",
                   "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
                   "a torch whose autograd the copies' backward cannot rely on (checked at install)")
 
@@ -71,10 +73,7 @@ def block_reason(block, copies: int) -> str | None:
             return f"{flag} is on"
     if getattr(config, "enable_cuda_graph", False) or getattr(config, "cuda_graph_impl", "none") not in ("none", None):
         return "CUDA graphs are on"
-    for layer in block.layers:
-        if "MoE" in type(getattr(layer, "mlp", None)).__name__:
-            return "MoE layers (routing statistics and the aux loss are per batch)"
-    return None
+    return None  # MoE layers: multi_copy/moe.py's block_reason
 
 
 def plan(block, copies: int, arguments: dict) -> Split | str:

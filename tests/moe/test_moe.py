@@ -172,12 +172,13 @@ def test_expert_tensor_parallelism(pool, experts):
     check_exact(results, -(-8 // local))
 
 
-def test_multi_copy_keeps_refusing_blocks_of_moe_layers_and_their_pieces_still_run(pool):
-    """Copies of a micro-batch would route and count their tokens apart (the aux loss and the router's
-    statistics are per batch): a block with MoE layers runs Megatron's block, its MoE layers in pieces."""
+def test_multi_copy_runs_blocks_of_moe_layers_as_copies_their_pieces_inside_each(pool):
+    """A block with MoE layers runs as copies (each copy's dispatcher state its own), its MoE layers in
+    pieces inside each copy, the same training as coc-inject off (tests/multi_copy/test_multi_copy_moe.py:
+    each routing loss)."""
     got = train(pool, {"moe_overlap": "1", "multi_copy": 2}, ep=2)
     for r in got:
-        assert r["blocks"] and all("MoE layers" in reason for reason in r["blocks"]), r["blocks"]
+        assert r["blocks"] == [None], r["blocks"]
         assert r["routes"] and all(route == ("pieces", 4) for route in r["routes"]), r["routes"]
 
 

@@ -1,0 +1,119 @@
+"""Multi-copy parallel through MoE layers (tests/multi_copy/moe_copies_cases.py): a real megatron-core MoE
+GPT, TP 2 with SP x EP 2 on 4 gloo ranks, 2 copies against the same model without copies, each routing
+loss, with and without COC_MOE_OVERLAP=1: losses and parameters after 3 SGD steps within 1e-5 (fp32), the
+aux-loss tracker's values (summed over the TP group, as Megatron reduces them before logging) and the
+expert bias within 1e-5, every collective in the same order on every rank; what does not decompose runs
+Megatron's block with its reason."""
+
+import pytest
+
+from tests.context_parallel.test_cp_gpt import pool  # noqa: F401 - a fixture (4 ranks, per module)
+from tests.scope import newest_only
+
+CASE = "tests.multi_copy.moe_copies_cases:train"
+TOL = 1e-5
+_references: dict = {}
+
+
+def reference(pool, **kwargs):
+    key = repr(sorted(kwargs.items()))
+    if key not in _references:
+        _references[key] = pool.run(CASE, copies=1, **kwargs)
+    return _references[key]
+
+
+def _tp_summed(results, step, name):
+    return [sum(results[r]["tracker"][step][name] for r in group) for group in ((0, 1), (2, 3))]
+
+
+def differences(got, want) -> dict:
+    """The largest differences: losses (relative), parameters (relative to their largest), the tracker's
+    values summed over each TP group, the expert bias."""
+    out = {"loss": 0.0, "params": 0.0, "tracker": 0.0, "expert_bias": 0.0}
+    for g, w in zip(got, want):
+        out["loss"] = max([out["loss"]] + [abs(a - b) / abs(b) for a, b in zip(g["losses"], w["losses"])])
+        for name, value in w["params"].items():
+            out["params"] = max(out["params"], ((g["params"][name] - value).abs().max() / value.abs().max()).item())
+        for mine, theirs in zip(g["expert_bias"], w["expert_bias"]):
+            out["expert_bias"] = max([out["expert_bias"]] + [(a - b).abs().max().item() for a, b in zip(mine, theirs)])
+    for step, values in enumerate(want[0]["tracker"]):
+        for name in values:
+            for a, b in zip(_tp_summed(got, step, name), _tp_summed(want, step, name)):
+                out["tracker"] = max(out["tracker"], ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item())
+    return out
+
+
+def normalised(calls):
+    """A rank's collectives with each group named by its size and stride (TP: stride 1, EP: stride 2 here),
+    an all-to-all's shape left out (its rows are the routing's, different per rank)."""
+    out = []
+    for op, ranks, shape, copy, deferred in calls:
+        group = ranks if ranks == "world" else (len(ranks), ranks[1] - ranks[0] if len(ranks) > 1 else 0)
+        out.append((op, group, None if op == "all_to_all_single" else shape, copy, deferred))
+    return out
+
+
+def run(pool, routing, moe_overlap="0", b=4, record=False):
+    want = reference(pool, routing=routing, moe_overlap=moe_overlap, b=b)
+    got = pool.run(CASE, copies=2, routing=routing, moe_overlap=moe_overlap, b=b, record=record)
+    assert all(r["blocks"] == [(2, None)] for r in got), [r["blocks"] for r in got]
+    if moe_overlap != "0":
+        assert all(r["moe_routes"] == [("pieces", 4)] * 2 for r in got), [r["moe_routes"] for r in got]
+    diff = differences(got, want)
+    assert all(value <= TOL for value in diff.values()), diff
+    # the copies' backward from one thread (a call from another raises); the pieces' experts add calls
+    assert all(r["autograd_calls"] >= 3 for r in got)
+    return got, want
+
+
+@pytest.mark.parametrize("moe_overlap", ["0", "1"])
+@pytest.mark.parametrize("routing", ["aux_loss", "seq_aux_loss", "z_loss", "expert_bias"])
+def test_each_routing_loss_trains_like_no_copies(pool, routing, moe_overlap):
+    got, want = run(pool, routing, moe_overlap)
+    if routing == "expert_bias":  # the bias moved, and the counts behind it are every copy's
+        assert all((bias != 0).any() for bias in got[0]["expert_bias"][-1])
+        for g, w in zip(got, want):
+            assert all((a == b).all() for step_g, step_w in zip(g["tokens_per_expert"], w["tokens_per_expert"])
+                       for a, b in zip(step_g, step_w))
+    else:
+        name = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}.get(routing, routing)
+        assert all(float(r["tracker"][0][name].abs().sum()) > 0 for r in got)  # logged, and compared above
+
+
+@newest_only
+@pytest.mark.parametrize("b", [4, 1], ids=["batch-split", "sequence-split"])
+def test_every_routing_loss_at_once_and_the_collectives_in_one_order_on_every_rank(pool, b):
+    """aux_loss and seq_aux_loss together with the z-loss, pieces inside each copy; micro-batch 1: the
+    copies split the sequence (seq_aux_loss then combines each sequence's counts over the copies)."""
+    got, _ = run(pool, "all", "1", b=b, record=True)
+    first = normalised(got[0]["collectives"])
+    assert first.count(None) == 0 and any(call[0] == "all_to_all_single" and call[3] == 1 for call in first)
+    for rank, result in enumerate(got[1:], start=1):
+        assert normalised(result["collectives"]) == first, f"rank {rank} issued its collectives in another order"
+
+
+@newest_only
+def test_the_losses_formed_per_copy_alone_would_differ(pool):
+    """The tests can fail: with each copy's routing losses formed as Megatron forms them for one batch
+    (no combined counts, no weights), the training or the logged losses differ beyond the tolerance."""
+    want = reference(pool, routing="all", moe_overlap="0", b=4)
+    got = pool.run(CASE, copies=2, routing="all", moe_overlap="0", b=4, per_copy_losses=True)
+    diff = differences(got, want)
+    assert diff["tracker"] > 100 * TOL and diff["params"] > TOL, diff
+
+
+@newest_only
+@pytest.mark.parametrize("routing,reason", [
+    ("global_aux_loss", "global_aux_loss (its running token count"),
+    ("capacity", "moe_expert_capacity_factor (a capacity per copy"),
+])
+def test_what_does_not_decompose_runs_megatrons_block_with_the_reason(pool, routing, reason):
+    got = pool.run(CASE, copies=2, routing=routing, steps=1)
+    assert all(len(r["blocks"]) == 1 and r["blocks"][0][0] == 1 and reason in r["blocks"][0][1] for r in got), \
+        [r["blocks"] for r in got]
+
+
+@newest_only
+def test_each_layer_holds_megatrons_dispatcher_after_the_copies(pool):
+    got = pool.run("tests.multi_copy.moe_copies_cases:dispatcher_left_as_found")
+    assert all(r["same"] and r["classes"] == ["MoEAlltoAllTokenDispatcher"] and r["blocks"] == [2] for r in got), got
