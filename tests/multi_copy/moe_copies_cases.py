@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from coc_inject import job
-from coc_inject.config import CocConfig
+from coc_inject.config import AUTO, CocConfig
 from coc_inject.multi_copy import collectives as copies_collectives
 from coc_inject.multi_copy.forward import last_route
 from tests.moe import moe_cases
@@ -40,7 +40,8 @@ def _install(copies, moe_overlap):
 
     if copies == 1 and moe_overlap == "0":
         return
-    config = CocConfig(multi_copy=copies, moe_overlap=moe_overlap)
+    config = CocConfig(multi_copy=AUTO if copies == "auto" else copies, moe_overlap=moe_overlap,
+                       tune_cache=None)
     if config.moe_armed:
         moe_install.install(config, moe_layer)
     if copies != 1:
@@ -115,6 +116,8 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
                 result["expert_bias"].append([r.expert_bias.clone() for r in routers])
                 for router in routers:
                     router.local_tokens_per_expert.zero_()
+        if copies == "auto":
+            result["decisions"] = [(key.text(), d.choice) for key, d in job.current().decisions(job.MULTI_COPY).items()]
     result["params"] = {n: p.detach().clone() for n, p in gpt.named_parameters()}
     result["blocks"] = [(last_route(m).copies, last_route(m).reason) for m in gpt.modules()
                         if last_route(m) is not None]

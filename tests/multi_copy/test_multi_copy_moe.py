@@ -117,3 +117,20 @@ def test_what_does_not_decompose_runs_megatrons_block_with_the_reason(pool, rout
 def test_each_layer_holds_megatrons_dispatcher_after_the_copies(pool):
     got = pool.run("tests.multi_copy.moe_copies_cases:dispatcher_left_as_found")
     assert all(r["same"] and r["classes"] == ["MoEAlltoAllTokenDispatcher"] and r["blocks"] == [2] for r in got), got
+
+
+@newest_only
+def test_auto_tries_moe_copies_alike_on_every_rank_and_leaves_the_routers_as_found(pool):
+    """COC_MULTI_COPY=auto with COC_MOE_OVERLAP=auto: the MoE block's trials (forward and backward on a
+    detached input, the pieces' own trials inside) agree over TP x DP x CP, every rank its all-to-alls
+    reach; the training, the logged losses and the expert bias equal no copies (the trials' routing left
+    no count or logged loss behind)."""
+    want = reference(pool, routing="all", moe_overlap="auto", b=4)
+    got = pool.run(CASE, copies="auto", routing="all", moe_overlap="auto", b=4)
+    decisions = [r["decisions"] for r in got]
+    assert len(decisions[0]) == 1 and all(d == decisions[0] for d in decisions), decisions
+    choice = decisions[0][0][1]
+    assert all(r["blocks"] == [(choice, None if choice != 1 else "auto: no copies were faster for this shape")]
+               for r in got), [r["blocks"] for r in got]
+    diff = differences(got, want)
+    assert all(value <= TOL for value in diff.values()), diff
