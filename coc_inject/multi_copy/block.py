@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from coc_inject import rng_state
-from coc_inject.multi_copy import collectives, cuts, meeting, moe, scheduler, segments, sequence
+from coc_inject.multi_copy import collectives, cuts, meeting, moe, recompute, scheduler, segments, sequence
 from coc_inject.multi_copy.splits import BATCH_DIMS, SEQUENCE, Split
 
 
@@ -30,6 +30,7 @@ class CopiesRunner:
         self.block, self.original, self.split = block, original, split
         self.arguments = arguments
         self.cuts = [[] for _ in range(split.copies)]  # each copy's cut points (recorded with grad on)
+        self.chunks = [[] for _ in range(split.copies)]  # each copy's fully recomputed chunks (recompute.py)
         self.layout = sequence.Layout(split.copies, split.group)  # where the copies' rows are
 
     def _copy_arguments(self, index: int) -> dict:
@@ -74,6 +75,7 @@ class CopiesRunner:
         run = scheduler.CopyRun(self.split.copies, save=rng_state.save, restore=rng_state.restore,
                                 chunk_linears=self.split.chunk_linears)
         run.cuts = self.cuts if grad else None
+        run.chunks = self.chunks if grad and self.split.kind != SEQUENCE else None  # else Megatron's recompute
         try:
             with cuts.marking(block), answering, collectives.INTERCEPTION.entered(), \
                     moe.per_copy(block, self.split):
@@ -89,8 +91,12 @@ class CopiesRunner:
         are returned, summed over the copies, and nothing is accumulated."""
         grads = [piece.contiguous() for piece in self.cut_up(grad_output)]
         with collectives.INTERCEPTION.entered():
-            grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
-                                                         self.split.chunk_linears)
+            if any(self.chunks):  # full recompute: stretch by stretch, the recomputed forward as copies
+                grad_pieces, grad_params = recompute.backward(self.block, pieces, outputs, grads, self.cuts, self.chunks,
+                                                              params, self.split.chunk_linears)
+            else:
+                grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
+                                                             self.split.chunk_linears)
         return self.join(grad_pieces), grad_params
 
 
@@ -100,7 +106,8 @@ def backward_in_turn(block, cut: bool) -> str | None:
     if cut or not torch.is_grad_enabled():
         return None
     if getattr(block.config, "recompute_granularity", None) == "full":
-        return "full recompute builds the layers' graph in the backward, where no cut is recorded"
+        return ("full recompute through Megatron's own checkpoint (distributed saved activations, or sequence "
+                "copies) builds the layers' graph in the backward, where no cut is recorded")
     return "no column-parallel linear (or sequence-parallel reduce-scatter) in the block's graph"
 
 
@@ -133,7 +140,7 @@ def copies_call(block, original, arguments: dict, split: Split, params_for_grad:
         return runner.join(outputs), None
     params = [p for p in block.parameters() if p.requires_grad] if params_for_grad else []
     output = CopiesThroughBlock.apply(runner, hidden, *params)
-    return output, backward_in_turn(block, any(runner.cuts))
+    return output, backward_in_turn(block, any(runner.cuts) or any(runner.chunks))
 
 
 def run_copies(block, original, arguments: dict, split: Split, params_for_grad: bool = False):

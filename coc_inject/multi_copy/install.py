@@ -6,6 +6,8 @@
 * ``TransformerBlock.forward``: forward.wrap (a call as copies, or Megatron's with the reason).
 * Megatron's row-parallel reduce-scatter mapping: marks a cut point inside copies (cuts.py).
 * Megatron's global memory buffer: a name per copy, forward and backward (forward.py).
+* Megatron's ``tensor_parallel.checkpoint`` (full recompute): inside a copies' forward, the chunk
+  recomputed as copies in the backward, in bands (recompute.py).
 * Megatron's MoE router (0.16+): its routing losses formed per copy, summing to the batch's (moe.py).
 
 Before anything is patched, autograd_check.reason() runs the copies' backward once on a tiny graph:
@@ -25,7 +27,7 @@ import importlib
 
 from coc_inject import job
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import autograd_check, cuts, forward, moe
+from coc_inject.multi_copy import autograd_check, cuts, forward, moe, recompute
 
 
 def install(config, transformer_block_module) -> None:
@@ -40,6 +42,10 @@ def _install(installation, transformer_block_module) -> None:
     mappings = importlib.import_module(module_name)
     if hasattr(mappings, name):
         patches.patch(mappings, name, cuts.marking_gather_mapping(patches.original(mappings, name)))
+    module_name, name = recompute.CHECKPOINT
+    tensor_parallel = importlib.import_module(module_name)
+    if hasattr(tensor_parallel, name):
+        patches.patch(tensor_parallel, name, recompute.checkpoint(patches.original(tensor_parallel, name)))
     from megatron.core.utils import GlobalMemoryBuffer
 
     patches.patch(GlobalMemoryBuffer, "get_tensor",

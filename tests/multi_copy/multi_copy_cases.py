@@ -14,7 +14,7 @@ import torch.distributed as dist
 from coc_inject import copy_context, dist_interception
 from coc_inject.multi_copy import forward as copies_forward, install as copies_install
 from coc_inject.multi_copy import collectives as copies_collectives
-from coc_inject.multi_copy import scheduler as copies_scheduler
+from coc_inject.multi_copy import scheduler as copies_scheduler, segments
 from coc_inject.multi_copy.cuts import KINDS
 from tests.context_parallel import cp_gpt_cases
 from tests.dist_harness import cpu_streams, reinitialize_model_parallel
@@ -31,6 +31,7 @@ class CollectiveRecorder:
 
     def __init__(self):
         self.calls: list = []
+        self.backward: list = []  # per call: issued inside the copies' backward from one thread (segments.py)
         self._inside = contextlib.ExitStack()
 
     def __enter__(self):
@@ -54,6 +55,7 @@ class CollectiveRecorder:
             run = copy_context.current()
             deferred = run is not None and run.defers(KINDS.get(name))  # left in flight past its node
             self.calls.append((name, ranks, shape, copies_scheduler.current_copy(), deferred))
+            self.backward.append(isinstance(run, segments.Segmented))
             return original(*args, **kwargs)
 
         record.__wrapped__ = original  # coc-inject reads the signature through it
@@ -144,6 +146,7 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
     result["routes"] = sorted(set(routes), key=repr)
     result["backward_in_turn"] = sorted(why for why in routes.in_turn if why is not None)
     result["collectives"] = recorder.calls if recorder is not None else None
+    result["in_backward"] = recorder.backward if recorder is not None else None
     result["gathers_served"] = len(served)
     return result
 

@@ -66,14 +66,67 @@ def test_with_fused_kernels(pool):
 
 
 @newest_only
-@pytest.mark.parametrize("granularity", ["selective", "full"])
-def test_with_recompute(pool, granularity):
-    """Selective recompute keeps the cuts; full recompute builds the layers' graph in the backward, so
-    its copies run their backward in turn, and the route says why."""
-    extra = {"recompute_method": "uniform", "recompute_num_layers": 1} if granularity == "full" else {}
-    got = run(pool, tp=2, sp=True, b=4, recompute_granularity=granularity, **extra)
-    want = ["full recompute"] if granularity == "full" else []
-    assert all([why.split(" builds")[0] for why in r["backward_in_turn"]] == want for r in got), got[0]["backward_in_turn"]
+def test_with_selective_recompute(pool):
+    """Selective recompute keeps the cuts: the backward overlaps."""
+    got = run(pool, tp=2, sp=True, b=4, recompute_granularity="selective")
+    assert all(r["backward_in_turn"] == [] for r in got), got[0]["backward_in_turn"]
+
+
+def phases(call: list, in_backward: list) -> list:
+    """A block call's collectives cut where they pass between the copies' forward on threads (the
+    block's, a chunk's recomputed forward) and their backward from one thread."""
+    runs = []
+    for record, backward in zip(call, in_backward):
+        if not runs or runs[-1][0] != backward:
+            runs.append((backward, []))
+        runs[-1][1].append(record)
+    return runs
+
+
+@pytest.mark.parametrize("method,layers", [("uniform", 1), pytest.param("block", 1, marks=newest_only),
+                                           pytest.param("uniform", 2, marks=newest_only)])
+def test_full_recompute_runs_the_recomputed_forward_as_copies_and_the_backward_in_bands(pool, method, layers):
+    """Full recompute (3 layers, TP 2 SP): each chunk's forward is recomputed as copies taking turns,
+    its cuts recorded, and its backward runs in bands like a block without recompute: training as
+    without copies (poison on: no collective read before its wait), every rank's collectives in the
+    same order, each stretch in the copies' interleave; no reason to run the backward in turn."""
+    got = run(pool, tp=2, sp=True, b=4, layers=3, recompute_granularity="full", recompute_method=method,
+              recompute_num_layers=layers, record=True, poison=True)
+    assert all(r["backward_in_turn"] == [] for r in got), got[0]["backward_in_turn"]
+    def relative(records):  # TP 2 in a world of 4: each rank's groups, named by their ranks' offsets
+        return [(op, ranks if ranks == "world" else tuple(r - min(ranks) for r in ranks), *rest)
+                for op, ranks, *rest in records]
+
+    first, flags = got[0]["collectives"], got[0]["in_backward"]
+    for rank, result in enumerate(got[1:], start=1):
+        assert relative(result["collectives"]) == relative(first), f"rank {rank} issued its collectives in another order"
+        assert result["in_backward"] == flags
+    chunks = {"uniform": -(-3 // layers), "block": layers}[method]
+    backward_steps, position = 0, 0
+    for call in block_calls(first):
+        start = first.index(call[0], position)
+        position = start + len(call)
+        runs = phases(call, flags[start:position])
+        for backward, records in runs:
+            assert records == interleaved(records), records
+            if backward:  # every layer's linears cut the copies' backward: deferred collectives in turns
+                deferred = [r[3] for r in records if r[4]]
+                assert deferred and deferred == [0, 1] * (len(deferred) // 2), records
+        if any(backward for backward, _ in runs):  # per chunk its forward again (threads), then its bands
+            backward_steps += 1
+            assert [b for b, _ in runs][-2 * chunks:] == [False, True] * chunks, [(b, len(r)) for b, r in runs]
+    assert backward_steps == 3
+    assert all(r["gathers_served"] == 3 * 3 * 2 * 2 for r in got), [r["gathers_served"] for r in got]
+
+
+def test_full_recompute_on_two_ranks(pool2):
+    """TP 2 SP on a world of 2: full recompute (uniform, 1 layer a chunk) with copies trains as without."""
+    options = dict(tp=2, sp=True, b=4, layers=2, recompute_granularity="full", recompute_method="uniform",
+                   recompute_num_layers=1)
+    want = pool2.run("tests.multi_copy.multi_copy_cases:train", copies=1, **options)
+    got = pool2.run("tests.multi_copy.multi_copy_cases:train", copies=2, poison=True, **options)
+    assert all(r["routes"] == [(2, None)] and r["backward_in_turn"] == [] for r in got), got[0]["routes"]
+    assert_same_training(got, want)
 
 
 @newest_only
