@@ -10,6 +10,8 @@ tests, never applied in a user's job.
 * :func:`gloo_split_lists`: ``all_to_all_single``'s split sizes, which the alltoall dispatcher hands
   over as tensors (the host copy it makes on CUDA is skipped on the CPU), given to gloo as lists.
 * :func:`cpu_moe_shims`: both, for good, as Megatron's MoE code needs them.
+* :func:`cpu_recompute_rng`: Megatron's recompute saves and restores the "cuda" RNG state: on the
+  CPU, torch's (for good, in the rank).
 """
 
 import contextlib
@@ -84,3 +86,11 @@ def cpu_moe_shims() -> None:
     """Megatron's alltoall dispatcher on CPU ranks, for the rest of the process."""
     replace_streams()
     gloo_split_lists()
+
+
+def cpu_recompute_rng() -> None:
+    """Megatron's recompute keeps the "cuda" RNG state for its recomputed forward: on CPU ranks, torch's."""
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from coc_inject.routes import LayerCase
-from coc_inject.testbed.cpu import CpuLayerNorm
+from coc_inject.testbed.cpu import CpuLayerNorm, cpu_recompute_rng
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,8 @@ def build_linear(case: LinearCase, m: int, k: int, n: int, dtype, device, batch:
 
 def build_block(args):
     """A TransformerBlock of ``args.layers`` GPT layers (local spec, CpuLayerNorm), TP = the world with sequence
-    parallelism, and its input (this rank's rows) and causal mask, on the CPU."""
+    parallelism, and its input (this rank's rows) and causal mask, on the CPU; ``args.recompute``: every
+    layer fully recomputed (uniform, one layer a chunk)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -67,7 +68,11 @@ def build_block(args):
         tensor_model_parallel_size=tp, sequence_parallel=True, params_dtype=torch.float32,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0)
+        hidden_dropout=0.0, attention_dropout=0.0,
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if getattr(args, "recompute", False) else {}))
+    if getattr(args, "recompute", False):
+        cpu_recompute_rng()
     spec = get_gpt_layer_local_spec()
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
     block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * args.layers,

@@ -3,7 +3,9 @@ ranks with sequence parallelism: Megatron as it is, CoC's chunked linears, multi
 and the compute-only twin -- C, M, the limit max(C, M) and the exposed communication each variant
 hides (coc_inject.bench.report). Writes layer.json / layer.png into --out.
 
-    python -m coc_inject.bench.cases.layer [--link 1gbit] [--reps 15] [--chunks auto] [--copies 2]
+    python -m coc_inject.bench.cases.layer [--link 1gbit] [--reps 15] [--chunks auto] [--copies 2] [--recompute]
+
+``--recompute``: every layer fully recomputed (Megatron's full recompute, uniform, one layer a chunk).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     for option, default in (("--seq", 256), ("--batch", 16), ("--hidden", 512), ("--ffn", 512), ("--heads", 8),
                             ("--layers", 1), ("--threads", 1)):
         parser.add_argument(option, type=int, default=default)
+    parser.add_argument("--recompute", action="store_true", help="full recompute of every layer (uniform, 1 a chunk)")
     parser.add_argument("--out", type=Path, help="write layer.json / layer.png here")
     return parser
 
@@ -85,8 +88,10 @@ def measure(args) -> int:
     result = ranks.run(setup, rank_work, args)
     if result is None:
         return 0  # not rank 0 of a torchrun job
-    title = (f"one TransformerBlock ({args.layers} layer, seq {args.seq}, batch {args.batch}, hidden {args.hidden}) "
-             f"forward + backward, TP=2 SP, {ranks.describe_where(setup)}; {args.reps} interleaved repetitions")
+    recompute = ", full recompute" if args.recompute else ""
+    title = (f"one TransformerBlock ({args.layers} layer, seq {args.seq}, batch {args.batch}, hidden {args.hidden}, "
+             f"ffn {args.ffn}) forward + backward{recompute}, TP=2 SP, {ranks.describe_where(setup)}; {args.reps} "
+             "interleaved repetitions")
     print(title)
     print(report.format_overlap(result, "TransformerBlock"))
     if args.out is not None:
