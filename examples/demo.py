@@ -381,7 +381,9 @@ COPIES_TARGETS = {"COC_MULTI_COPY=2": 1.15, BOTH_AUTO: 1.20}
 # Micro-batch 1 (sequence copies): the link model's tokens in one sequence.
 LINK_MODEL_MB1 = ["--seq-length", "2048", "--micro-batch-size", "1", "--hidden-size", "512",
                   "--ffn-hidden-size", "512", "--num-attention-heads", "8"]
-MB1_COPIES = {"off": {}, "COC_MULTI_COPY=2": {"COC_MULTI_COPY": "2"}, "COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}}
+# The copies' attention runs the fused kernel: COC_FLASH_ATTN=1 alone (no copies) is the same kernel in Megatron's block.
+MB1_COPIES = {"off": {}, "COC_FLASH_ATTN=1": {"COC_FLASH_ATTN": "1"}, "COC_MULTI_COPY=2": {"COC_MULTI_COPY": "2"},
+              "COC_MULTI_COPY=auto": {"COC_MULTI_COPY": "auto"}}
 MB1_TARGETS = {"COC_MULTI_COPY=2": 1.15, "COC_MULTI_COPY=auto": 1.25}
 LOOPBACK_AUTO_TARGET = 0.97  # COC_MULTI_COPY=auto on loopback: never slower than off beyond the noise
 
