@@ -7,6 +7,10 @@ every rank issued the same collectives (name, shapes, copy) in the same order; t
 batch: in bf16 / fp16 two rounded halves differ from one rounded whole by up to the dtype's bound,
 whoever computes them; against the halves the copies are exact in every dtype.
 
+Sequence copies: the same block at micro-batch 1 (the copies split the sequence, copy 0 the first positions;
+the copies meet in the attention) against Megatron's block on the whole micro-batch (a sequence cannot run
+in halves one after another), the same errors, and that the copies ran a sequence split.
+
 First, on one rank or many: this torch's autograd runs the copies' backward as it assumes
 (multi_copy/autograd_check.py, the check install makes; where it fails, every block runs Megatron's)."""
 
@@ -20,12 +24,16 @@ COPIES, LAYERS, BATCH = 2, 2, 2  # the batch splits into the copies
 
 
 AUTOGRAD_CASE = "autograd runs the copies' backward"
+SEQUENCE = "micro-batch 1"  # the sequence copies' backend ends so
 
 
 def run(ctx) -> list[dict]:
-    return [_autograd(ctx)] + run_case(ctx, WING, f"TransformerBlock x{LAYERS} TP={ctx.world} SP", f"{COPIES} copies",
-                                       "no tensor-parallel collectives to overlap", _case,
-                                       tensor_model_parallel_size=ctx.world)
+    block = f"TransformerBlock x{LAYERS} TP={ctx.world} SP"
+    rows = [_autograd(ctx)]
+    for backend in (f"{COPIES} copies", f"{COPIES} copies, {SEQUENCE}"):
+        rows += run_case(ctx, WING, block, backend, "no tensor-parallel collectives to overlap", _case,
+                         tensor_model_parallel_size=ctx.world)
+    return rows
 
 
 def _autograd(ctx) -> dict:
@@ -56,12 +64,18 @@ def _case(ctx, case, backend) -> dict:
     heads = 2 * ctx.world  # TP = the world divides the heads, the hidden and the FFN sizes
     sizes = types.SimpleNamespace(layers=LAYERS, batch=BATCH, seq=32 * ctx.world, heads=heads, hidden=16 * heads,
                                   ffn=32 * heads)
-    block, hidden, mask = build_block(sizes)  # also seeds torch and Megatron's RNG tracker
+    sequence = backend.endswith(SEQUENCE)
+    # build_block also seeds torch and Megatron's RNG tracker
+    block, hidden, mask = build_block(sizes, micro_batch=1 if sequence else BATCH)
     block.to(device=ctx.device, dtype=dtype)
     hidden, mask = hidden.to(ctx.device, dtype), mask.to(ctx.device)
     grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7 + ctx.rank)).to(ctx.device, dtype)
 
     grads = main_grads(block)
+    # Sequence copies hand each rank other rows of the sequence (the copies' layout), so a parameter that
+    # sequence parallelism replicates over TP (norms, row-parallel biases) gets another share of its gradient
+    # on each rank: compared as Megatron's finalize_model_grads forms it, summed over the TP group.
+    summed = sorted(name for name, p in block.named_parameters() if sequence and getattr(p, "sequence_parallel", 0))
 
     def step(cut=1):  # cut: the micro-batch's parts through the block one after another
         grads.clear()
@@ -71,13 +85,15 @@ def _case(ctx, case, backend) -> dict:
             out = block(x, mask)
             out.backward(part_grad)
             parts.append((out.detach(), x.grad))
+        for name in summed:
+            torch.distributed.all_reduce(grads[name], group=ctx.group)
         return torch.cat([out for out, _ in parts], 1), torch.cat([g for _, g in parts], 1), dict(grads)
 
     config = CocConfig(multi_copy=COPIES)
     errors, times, calls, route = against_megatron(ctx, step, lambda: copies.install(config, transformer_block),
                                                    lambda: copies_forward.last_route(block),
-                                                   truth_step=lambda: step(COPIES))
-    ran = route is not None and route.copies == COPIES
+                                                   truth_step=None if sequence else lambda: step(COPIES))
+    ran = route is not None and route.copies == COPIES and route.split == ("sequence" if sequence else "batch")
     errors["copies ran"] = common.max_over_ranks(float(not ran), ctx.group, ctx.device)
     return common.row(WING, case, backend, errors, ctx.dtype, *times, collectives=len(calls),
                       **({} if ran else {"why_not_copies": getattr(route, "reason", "no block call counted")}))

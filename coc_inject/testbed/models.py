@@ -5,6 +5,7 @@ is built (the commands' ``--help`` and argument errors come without it)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -51,10 +52,11 @@ def build_linear(case: LinearCase, m: int, k: int, n: int, dtype, device, batch:
     return layer.to(device), torch.randn(rows // batch, batch, k, dtype=dtype, device=device)
 
 
-def build_block(args):
+def build_block(args, micro_batch: int | None = None):
     """A TransformerBlock of ``args.layers`` GPT layers (local spec, CpuLayerNorm), TP = the world with sequence
-    parallelism, and its input (this rank's rows) and causal mask, on the CPU; ``args.recompute``: every
-    layer fully recomputed (uniform, one layer a chunk)."""
+    parallelism, and its input (this rank's rows of ``micro_batch`` sequences, default ``args.batch``) and causal
+    mask, on the CPU; ``args.recompute``: every layer fully recomputed (uniform, one layer a chunk). A micro-batch
+    the copies do not divide (1) runs as sequence copies (:func:`copies_ran` says which split ran)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -77,9 +79,44 @@ def build_block(args):
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
     block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * args.layers,
                                                                 layer_norm=CpuLayerNorm))
-    hidden = torch.randn(args.seq // tp, args.batch, args.hidden)
+    hidden = torch.randn(args.seq // tp, args.batch if micro_batch is None else micro_batch, args.hidden)
     mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1)
     return block, hidden, mask
+
+
+def copies_ran(block) -> str:
+    """How ``block``'s last call ran under multi-copy: "2 copies, sequence split" (or batch), or "no copies: why"."""
+    from coc_inject.multi_copy.forward import last_route
+
+    route = last_route(block)
+    if route is None:
+        return "no copies: no block call counted"
+    return f"{route.copies} copies, {route.split} split" if route.copies > 1 else f"no copies: {route.reason}"
+
+
+@contextmanager
+def block_variant(block, config, compute_only: bool = False, ran: dict | None = None):
+    """``config``'s CoC linears and multi-copy installed on Megatron's modules (every collective a no-op with
+    ``compute_only``: the compute-only twin), undone on leaving; with copies armed, ``ran["copies"]`` says how the
+    block's last call ran (:func:`copies_ran`)."""
+    from megatron.core.transformer import transformer_block
+
+    from coc_inject import job
+    from coc_inject.linears import install as linears
+    from coc_inject.multi_copy import install as copies
+    from coc_inject.testbed import link
+
+    if config.enabled:
+        linears.install(config)
+    if config.multi_copy_armed:
+        copies.install(config, transformer_block)
+    try:
+        with link.no_collectives() if compute_only else nullcontext():
+            yield
+        if config.multi_copy_armed and ran is not None:
+            ran["copies"] = copies_ran(block)
+    finally:
+        job.uninstall()
 
 
 def build_moe_layer(hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype=None):
