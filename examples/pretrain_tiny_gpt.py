@@ -125,6 +125,8 @@ def parse_args():
                         help="MoE: every MLP is a mixture of this many experts (alltoall dispatcher)")
     parser.add_argument("--expert-model-parallel-size", type=int, default=1)
     parser.add_argument("--moe-router-topk", type=int, default=2)
+    parser.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                        help="MoE: the experts' TP (Megatron's default: the TP size; 1: EP may span TP ranks)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="default: the world size / the context-parallel size; the rest is data parallel")
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes losses and step times here")
@@ -177,6 +179,7 @@ def moe_settings(args) -> dict:
         return {}
     return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                 moe_token_dispatcher_type="alltoall", expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
                 moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
                 moe_router_pre_softmax=args.moe_router_topk == 1)
 
@@ -277,7 +280,8 @@ def main():
         args.sequence_parallel = False
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size, context_parallel_size=cp_size,
                                              pipeline_model_parallel_size=1,
-                                             expert_model_parallel_size=args.expert_model_parallel_size)
+                                             expert_model_parallel_size=args.expert_model_parallel_size,
+                                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     if args.num_experts:
         cpu_moe_shims()
     dp_group, data_rank = parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()

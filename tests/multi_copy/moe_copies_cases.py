@@ -71,7 +71,7 @@ def _tracker() -> dict:
 
 
 def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, vocab=64, record=False,
-          poison=False, per_copy_losses=False):
+          poison=False, per_copy_losses=False, adam=False, **model):
     """``per_copy_losses``: each copy forms its routing losses as Megatron does for one batch (the
     product's combination switched off: what the tests must catch)."""
     from megatron.core import parallel_state
@@ -83,8 +83,8 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
     _install(copies, moe_overlap)
     moe_cases._cpu_rng_for_recompute()
     torch.manual_seed(7)
-    gpt = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=2, tp=2, sp=True, **ROUTING[routing])
-    optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
+    gpt = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=2, tp=2, sp=True, **{**ROUTING[routing], **model})
+    optimizer = torch.optim.Adam(gpt.parameters(), lr=1e-3) if adam else torch.optim.SGD(gpt.parameters(), lr=0.1)
     routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
     result = {"losses": [], "tracker": [], "tokens_per_expert": [], "expert_bias": [],
               "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
