@@ -25,7 +25,7 @@ LAYER_SUITES := tests/linears/test_layers_tp2.py tests/linears/test_layers_tp4.p
 	tests/linears/test_megatron_guards.py tests/linears/test_injection_e2e.py tests/linears/test_tuning.py tests/linears/test_coverage.py
 # Context parallelism on the older releases: the CP=2 GPT cases and the construction errors. TEST_SCOPE=older-release
 # skips the cases marked newest_only (tests/scope.py): coc-inject's own logic, tested once on the newest release.
-CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_copy.py
+CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_copy.py tests/multi_copy/test_sequence_copies.py
 # MoE on the older releases: every case but expert biases (0.13 refuses them for MoE).
 MOE_SUITES := tests/moe/test_moe.py
 

@@ -213,7 +213,7 @@ def report(coverage) -> dict:
             for key, decision in coverage.attention_decisions().items()],
         "multi_copy_decisions": [
             {"key": key.text(), "copies": copies_of(decision.choice), "linears_chunked": chunks_linears(decision.choice),
-             "source": decision.source,
+             "split": key.split, "source": decision.source,
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.copies_decisions().items()],
         "moe_decisions": [

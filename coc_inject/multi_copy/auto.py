@@ -43,16 +43,17 @@ class CopiesKey:
     sequence_parallel: bool
     device: str
     backward: bool
+    split: str  # what the copies split, "batch" or "sequence": a decision for one is never used for the other
     candidates: tuple  # what the trials choose among (a cached choice is only valid for the same)
 
     def text(self) -> str:
         return (f"block [{self.seq}, {self.batch}, {self.hidden}] x {self.layers} layers {self.dtype} TP{self.tp}"
                 + (f" CP{self.cp}" if self.cp > 1 else "") + (" SP" if self.sequence_parallel else "")
-                + f" {self.device}" + ("" if self.backward else " forward-only"))
+                + f" {self.device} {self.split} split" + ("" if self.backward else " forward-only"))
 
     def cache_fields(self) -> list:
         return ["multi-copy", self.seq, self.batch, self.hidden, self.layers, self.dtype, self.tp, self.cp,
-                self.sequence_parallel, self.device, self.backward, list(self.candidates)]
+                self.sequence_parallel, self.device, self.backward, self.split, list(self.candidates)]
 
     def name(self, choice) -> str:
         return "no copies (Megatron's block)" if choice == 1 else self.candidate(choice)
@@ -93,17 +94,24 @@ def group_of(block):
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def choose(tuner, block, original, arguments: dict, split, choices: list):
-    """This call's Split among ``choices`` (:func:`candidates`), or None for no copies
-    (``arguments``: from block.bind; trials at the first call of its shape)."""
-    hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
+def key_for(block, hidden, split, choices: list) -> CopiesKey:
+    """What ``block``'s decision for this call is made once for and cached by: its input's shape, the
+    block, the group, whether the trials run the backward, the split (batch or sequence) and ``choices``."""
     config = block.config
     recompute = getattr(config, "recompute_granularity", None) is not None
     backward = torch.is_grad_enabled() and hidden.requires_grad and not recompute
-    key = CopiesKey(hidden.shape[0], hidden.shape[1], hidden.shape[2], len(block.layers),
-                    str(hidden.dtype).replace("torch.", ""), config.tensor_model_parallel_size,
-                    getattr(config, "context_parallel_size", 1), bool(config.sequence_parallel),
-                    hidden.device.type, backward, tuple(choices))
+    return CopiesKey(hidden.shape[0], hidden.shape[1], hidden.shape[2], len(block.layers),
+                     str(hidden.dtype).replace("torch.", ""), config.tensor_model_parallel_size,
+                     getattr(config, "context_parallel_size", 1), bool(config.sequence_parallel),
+                     hidden.device.type, backward, split.kind, tuple(choices))
+
+
+def choose(tuner, block, original, arguments: dict, split, choices: list):
+    """This call's Split among ``choices`` (:func:`candidates`), or None for no copies
+    (``arguments``: from block.bind; trials at the first call of its shape and split)."""
+    hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
+    key = key_for(block, hidden, split, choices)
+    backward = key.backward
     params = [p for p in block.parameters() if p.requires_grad]
 
     def trial(choice):

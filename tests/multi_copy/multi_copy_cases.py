@@ -232,9 +232,10 @@ def skewed_tuner(delay, slow_baseline=False):
     return tuner
 
 
-def train_auto(skew=None, **kwargs):
-    """train() with COC_MULTI_COPY=auto; ``skew`` {rank: seconds} slows that rank's trials with copies."""
-    tuner = skewed_tuner((skew or {}).get(dist.get_rank()))
+def train_auto(skew=None, slow_baseline=False, **kwargs):
+    """train() with COC_MULTI_COPY=auto; ``skew`` {rank: seconds} slows that rank's trials with copies
+    (``slow_baseline``: its trials without copies)."""
+    tuner = skewed_tuner((skew or {}).get(dist.get_rank()), slow_baseline)
     result = train(copies="auto", tuner=tuner, **kwargs)
     result["decisions"] = [{"key": key.text(), "choice": d.choice, "source": d.source}
                            for key, d in tuner.decisions.items()]

@@ -2,15 +2,17 @@
 first positions; the copies meet in the attention) on a real megatron-core GPT, 4 gloo ranks: the
 same training as without copies (losses and parameters after 3 SGD steps within 1e-5 relative, fp32),
 every collective in the same order on every rank, and the calls sequence copies cannot run exactly
-run Megatron's block with the reason."""
+run Megatron's block with the reason. On 0.16.1 and 0.13.1 (TEST_SCOPE=older-release): micro-batch 1 with
+SP, and a causal mask tensor with RoPE and GQA (Megatron's attention, rotary and mask APIs of each release)."""
 
 import pytest
 
 from tests.context_parallel.test_cp_gpt import assert_same_training, pool  # noqa: F401 - pool: a fixture
 from tests.multi_copy.test_multi_copy import block_calls, interleaved, reference, run
+from tests.scope import newest_only
 
 
-@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+@pytest.mark.parametrize("sp", [True, pytest.param(False, marks=newest_only)], ids=["sp", "no-sp"])
 def test_micro_batch_1_splits_the_sequence_causal_without_a_mask(pool, sp):
     run(pool, tp=2, sp=sp, b=1, mask="none")
 
@@ -19,14 +21,17 @@ def test_causal_mask_tensor_rope_and_gqa(pool):
     run(pool, tp=2, sp=True, b=1, rope=True, groups=2)
 
 
+@newest_only
 def test_padding_mask_runs_megatrons_attention_on_the_keys_so_far(pool):
     run(pool, tp=2, sp=True, b=1, mask="padding")
 
 
+@newest_only
 def test_micro_batch_3_with_2_copies_splits_the_sequence(pool):
     run(pool, tp=2, sp=True, b=3, mask="none")
 
 
+@newest_only
 def test_every_rank_issues_the_same_collectives_in_the_copies_interleave(pool):
     got = run(pool, tp=4, sp=True, b=1, mask="none", record=True, poison=True)
     first = got[0]["collectives"]
@@ -49,6 +54,7 @@ def test_every_rank_issues_the_same_collectives_in_the_copies_interleave(pool):
     assert len(outside) == 4 * 3, outside
 
 
+@newest_only
 def test_a_mask_that_lets_a_position_see_a_later_one_runs_megatrons_block(pool):
     got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, sp=True, b=1, steps=1,
                    mask="none", mask_type="no_mask")
@@ -57,6 +63,7 @@ def test_a_mask_that_lets_a_position_see_a_later_one_runs_megatrons_block(pool):
     assert_same_training(got, reference(pool, tp=2, sp=True, b=1, steps=1, mask="none", mask_type="no_mask"))
 
 
+@newest_only
 def test_micro_batch_1_inside_each_pipeline_stage(pool):
     """TP 2 x PP 2 (SP), micro-batches of 1: stage 1's block splits the sequence of the input tensor
     Megatron hands it."""
@@ -64,3 +71,52 @@ def test_micro_batch_1_inside_each_pipeline_stage(pool):
     got = pool.run("tests.multi_copy.multi_copy_cases:train_pipeline", copies=2, b=2)
     assert all(r["routes"] == [(2, None)] for r in got), [r["routes"] for r in got]
     assert_same_training(got, want)
+
+
+@newest_only  # auto's trials and agreement: coc-inject's own, tested once
+def test_auto_at_micro_batch_1_tries_sequence_copies_and_agrees_over_the_group(pool):
+    """COC_MULTI_COPY=auto at micro-batch 1: the trials compare no copies with 2 and 4 sequence copies (32
+    rows a rank divide by both), keyed by the sequence split. One rank of each TP group has its trials
+    without copies slowed: the MAX over the group makes copies win on both of its ranks, whatever the
+    other rank's own trials say, and the training runs as those sequence copies, equal to no copies."""
+    from coc_inject.multi_copy.auto import CopiesKey
+    from coc_inject.tuning.online import TIMED_ROUNDS
+
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_auto", tp=2, sp=True, b=1, mask="none",
+                   skew={0: 0.3, 2: 0.3}, slow_baseline=True)
+    decisions = [r["decisions"] for r in got]
+    assert all(len(d) == 1 and d[0]["source"] == "trials" and "sequence split" in d[0]["key"] for d in decisions), \
+        decisions
+    choices = {d[0]["choice"] for d in decisions}
+    assert len(choices) == 1 and choices <= {2, 4}, decisions  # one decision on every rank, copies
+    for result in got:
+        assert result["trial_runs"] == {c: CopiesKey.WARM_UPS + TIMED_ROUNDS for c in (1, 2, 4)}, result["trial_runs"]
+        assert result["routes"] == [(decisions[0][0]["choice"], None)], result["routes"]
+    assert_same_training(got, reference(pool, tp=2, sp=True, b=1, mask="none"))
+
+
+@newest_only  # coc-inject's own key and cache: the same on every release
+def test_auto_keys_a_decision_by_its_split_so_a_cached_one_serves_only_that_split(tmp_path):
+    """The same block, input shape and candidates split by batch or by sequence: two keys, and a decision
+    cached for the batch split is not found for the sequence split (nor the other way)."""
+    import types
+
+    import torch
+
+    from coc_inject.multi_copy import auto
+    from coc_inject.multi_copy.sequence import BATCH, SEQUENCE
+    from coc_inject.multi_copy.splits import Split
+    from coc_inject.tuning.cache import TuneCache
+
+    config = types.SimpleNamespace(tensor_model_parallel_size=2, context_parallel_size=1, sequence_parallel=True)
+    block = types.SimpleNamespace(config=config, layers=[None, None])
+    hidden = torch.zeros(32, 2, 16, requires_grad=True)
+    keys = {kind: auto.key_for(block, hidden, Split(2, 32 if kind == SEQUENCE else 2, (), kind=kind), [1, 2])
+            for kind in (BATCH, SEQUENCE)}
+    assert keys[BATCH] != keys[SEQUENCE], keys
+    assert keys[BATCH].text().endswith("cpu batch split") and keys[SEQUENCE].text().endswith("cpu sequence split")
+    path = str(tmp_path / "tune.json")
+    TuneCache(path).put(TuneCache.key(keys[BATCH], "host"), 2, {1: 1.0, 2: 0.5})
+    TuneCache(path).put(TuneCache.key(keys[SEQUENCE], "elsewhere"), 4, {1: 1.0, 4: 0.5})
+    assert TuneCache(path).get(TuneCache.key(keys[BATCH], "host")) == 2  # read back from the file
+    assert TuneCache(path).get(TuneCache.key(keys[SEQUENCE], "host")) is None
