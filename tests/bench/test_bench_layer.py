@@ -25,6 +25,7 @@ def test_the_title_and_json_say_which_split_the_copies_ran(tmp_path, capsys, mic
     assert layer.measure(args) == 0
     result = json.loads((tmp_path / "layer.json").read_text())
     assert result["copies"] == f"2 copies, {split} split"
-    assert f"micro-batch {micro_batch}," in result["title"] and result["title"].endswith(f"copies: 2 copies, {split} split")
+    assert f"micro-batch {micro_batch}," in result["title"]
+    assert result["title"].endswith(f"copies: 2 copies, {split} split")
     assert result["title"] in capsys.readouterr().out
     assert set(result["rows"]) == {"megatron", "coc", "copies", "coc+copies"}
