@@ -272,22 +272,24 @@ def routers_as_found(block):
     logged aux losses as found."""
     routers = [layer.router for layer in moe_layers(block) if getattr(layer, "router", None) is not None]
     buffers = [(b, b.detach().clone()) for r in routers for b in r.buffers()]
-    tracker = _tracker_values()
+    tracker = {id(values): (values, values.detach().clone()) for values in _tracker_values()}
     try:
         yield
     finally:
         with torch.no_grad():
             for buffer, value in buffers:
                 buffer.copy_(value)
-        for values, value in tracker:
-            values.copy_(value)
+            for values in _tracker_values():  # an entry the trials created starts from zero
+                found = tracker.get(id(values))
+                values.copy_(found[1]) if found is not None else values.zero_()
 
 
 def _tracker_values() -> list:
+    """Megatron's logged aux losses, one tensor per name (0.19's metrics tracker; 0.16's dict)."""
     from megatron.core.transformer.moe import moe_utils
 
     if hasattr(moe_utils, "get_moe_metrics_tracker"):
         entries = [entry.values for entry in moe_utils.get_moe_metrics_tracker().metrics.values()]
     else:
-        entries = [entry["values"] for entry in moe_utils.get_moe_layer_wise_logging_tracker().values()]
-    return [(values, values.detach().clone()) for values in entries if isinstance(values, torch.Tensor)]
+        entries = [entry.get("values") for entry in moe_utils.get_moe_layer_wise_logging_tracker().values()]
+    return [values for values in entries if isinstance(values, torch.Tensor)]

@@ -61,12 +61,16 @@ def _losses_per_copy():
 
 
 def _tracker() -> dict:
-    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    """Megatron's logged aux losses this step (per layer, this rank's), then zeroed as after logging."""
+    from megatron.core.transformer.moe import moe_utils
 
-    tracker = get_moe_metrics_tracker()
-    values = {name: entry.values.detach().clone() for name, entry in tracker.metrics.items()}
-    for entry in tracker.metrics.values():
-        entry.values.zero_()
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):  # 0.19
+        entries = {name: entry.values for name, entry in moe_utils.get_moe_metrics_tracker().metrics.items()}
+    else:  # 0.16
+        entries = {name: entry["values"] for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items()}
+    values = {name: value.detach().clone() for name, value in entries.items()}
+    for value in entries.values():
+        value.zero_()
     return values
 
 
@@ -86,6 +90,7 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
     gpt = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=2, tp=2, sp=True, **{**ROUTING[routing], **model})
     optimizer = torch.optim.Adam(gpt.parameters(), lr=1e-3) if adam else torch.optim.SGD(gpt.parameters(), lr=0.1)
     routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
+    _tracker()  # what an earlier case on this worker logged and never cleared
     result = {"losses": [], "tracker": [], "tokens_per_expert": [], "expert_bias": [],
               "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
     recorder = CollectiveRecorder() if record else None
@@ -146,3 +151,4 @@ def dispatcher_left_as_found(copies=2):
                 "blocks": [last_route(m).copies for m in gpt.modules() if last_route(m) is not None]}
     finally:
         job.uninstall()
+        _tracker()  # cleared, as a training loop's logging would

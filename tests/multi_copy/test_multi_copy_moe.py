@@ -66,9 +66,18 @@ def run(pool, routing, moe_overlap="0", b=4, record=False):
     return got, want
 
 
+def _router_forms_each_loss_apart() -> bool:
+    """megatron-core 0.16+ (TopKRouter._apply_aux_loss); 0.13 to 0.15 run such blocks without copies."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return hasattr(TopKRouter, "_apply_aux_loss")
+
+
 @pytest.mark.parametrize("moe_overlap", ["0", "1"])
 @pytest.mark.parametrize("routing", ["aux_loss", "seq_aux_loss", "z_loss", "expert_bias"])
 def test_each_routing_loss_trains_like_no_copies(pool, routing, moe_overlap):
+    if not _router_forms_each_loss_apart():
+        pytest.skip("this megatron-core's router forms every loss in one method: such blocks run without copies")
     got, want = run(pool, routing, moe_overlap)
     if routing == "expert_bias":  # the bias moved, and the counts behind it are every copy's
         assert all((bias != 0).any() for bias in got[0]["expert_bias"][-1])
