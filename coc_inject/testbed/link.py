@@ -128,20 +128,22 @@ class _Done:
 
 def no_collectives(only=None):
     """The compute-only twin: every collective (torch's and Megatron's aliases of them; or those named
-    in ``only``) a no-op that zero-fills its output -- the same layer on an infinitely fast network."""
+    in ``only``) a no-op that zero-fills its output -- the same layer on an infinitely fast network. An
+    integer collective still runs (the MoE dispatcher's token counts: the routing, not the traffic)."""
     from coc_inject import dist_interception
 
-    def output_zeroed(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
-        output = args[0] if args else next(iter(kwargs.values()))
-        for tensor in output if isinstance(output, list) else [output]:
-            tensor.zero_()
-        return _Done() if async_op else None
-
-    def in_place(*args, async_op=False, **kwargs):  # all_reduce: the tensor already holds a result
-        return _Done() if async_op else None
+    def no_op(original, zero_fill):
+        def call(*args, async_op=False, **kwargs):  # (output, input, ...) or ([outputs], input, ...)
+            output = args[0] if args else next(iter(kwargs.values()))
+            tensors = output if isinstance(output, list) else [output]
+            if not tensors[0].is_floating_point():
+                return original(*args, async_op=async_op, **kwargs)
+            for tensor in tensors if zero_fill else ():  # all_reduce: the tensor already holds a result
+                tensor.zero_()
+            return _Done() if async_op else None
+        return call
 
     names = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
              "_reduce_scatter_base", "all_gather", "all_to_all_single")
     return dist_interception.replaced(
-        lambda name, _: (in_place if name == "all_reduce" else output_zeroed) if only is None or name in only else None,
-        names)
+        lambda name, original: no_op(original, name != "all_reduce") if only is None or name in only else None, names)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from coc_inject.routes import LayerCase
-from coc_inject.testbed.cpu import CpuLayerNorm, cpu_recompute_rng
+from coc_inject.testbed.cpu import CpuLayerNorm, cpu_moe_shims, cpu_recompute_rng
 
 
 @dataclass(frozen=True)
@@ -52,11 +52,13 @@ def build_linear(case: LinearCase, m: int, k: int, n: int, dtype, device, batch:
     return layer.to(device), torch.randn(rows // batch, batch, k, dtype=dtype, device=device)
 
 
-def build_block(args, micro_batch: int | None = None):
+def build_block(args, micro_batch: int | None = None, shims: bool = True):
     """A TransformerBlock of ``args.layers`` GPT layers (local spec, CpuLayerNorm), TP = the world with sequence
     parallelism, and its input (this rank's rows of ``micro_batch`` sequences, default ``args.batch``) and causal
     mask, on the CPU; ``args.recompute``: every layer fully recomputed (uniform, one layer a chunk). A micro-batch
-    the copies do not divide (1) runs as sequence copies (:func:`copies_ran` says which split ran)."""
+    the copies do not divide (1) runs as sequence copies (:func:`copies_ran` says which split ran). ``args.moe``:
+    every layer's MLP an MoE layer (:func:`moe_settings`; Megatron's expert parallelism as initialized)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
@@ -70,44 +72,94 @@ def build_block(args, micro_batch: int | None = None):
         tensor_model_parallel_size=tp, sequence_parallel=True, params_dtype=torch.float32,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0, attention_dropout=0.0, **(moe_settings(shims) if getattr(args, "moe", False) else {}),
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if getattr(args, "recompute", False) else {}))
     if getattr(args, "recompute", False):
         cpu_recompute_rng()
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
     block = TransformerBlock(config, TransformerBlockSubmodules(layer_specs=[spec] * args.layers,
                                                                 layer_norm=CpuLayerNorm))
+    if config.num_moe_experts:  # every EP rank's experts differ: a token sent to a wrong one shows
+        rank = parallel_state.get_expert_model_parallel_rank()
+        with torch.no_grad():
+            for param in [p for name, p in block.named_parameters() if ".local_experts." in name]:
+                param.mul_(1.0 + 0.5 * rank)
     hidden = torch.randn(args.seq // tp, args.batch if micro_batch is None else micro_batch, args.hidden)
     mask = torch.triu(torch.ones(1, 1, args.seq, args.seq, dtype=torch.bool), diagonal=1)
     return block, hidden, mask
 
 
-def copies_ran(block) -> str:
-    """How ``block``'s last call ran under multi-copy: "2 copies, sequence split" (or batch), or "no copies: why"."""
-    from coc_inject.multi_copy.forward import last_route
+def block_step(block, hidden, mask):
+    """One forward + backward of ``block`` (output gradient ones), a fresh leaf input each call."""
+    def step():
+        out = block(hidden.clone().requires_grad_(True), mask)
+        out.backward(torch.ones_like(out))
+    return step
 
-    route = last_route(block)
+
+def variant_config(args, coc: bool, copies: bool, tune_cache):
+    """A bench variant's CocConfig: ``coc``: CoC's linears at ``args.chunks`` (and with ``args.moe`` the MoE
+    pieces, auto); ``copies``: ``args.copies`` copies."""
+    from coc_inject.config import CocConfig
+
+    return CocConfig(parallel_num=args.chunks if coc else 1, multi_copy=args.copies if copies else 1,
+                     moe_overlap="auto" if coc and getattr(args, "moe", False) else "0", tune_cache=tune_cache)
+
+
+MOE_LOCAL_EXPERTS, MOE_TOPK, MOE_AUX_COEFF = 2, 2, 0.01
+
+
+def moe_settings(shims: bool = True) -> dict:
+    """The block's MoE MLP: alltoall dispatcher, SequentialMLP experts (the local spec), ``MOE_LOCAL_EXPERTS``
+    a rank at Megatron's EP, expert TP as initialized, top-``MOE_TOPK``, Megatron's default routing loss
+    (the batch ``aux_loss``); ``shims``: on CPU ranks, with :func:`coc_inject.testbed.cpu.cpu_moe_shims`."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    if shims:
+        cpu_moe_shims()
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.13-0.16's router reads it, defined only when TE imports
+        moe_utils.te_general_gemm = None
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return dict(num_moe_experts=MOE_LOCAL_EXPERTS * ep, moe_router_topk=MOE_TOPK, moe_token_dispatcher_type="alltoall",
+                expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=MOE_AUX_COEFF, add_bias_linear=False)
+
+
+def copies_ran(block) -> str:
+    """How ``block``'s last call ran under multi-copy: "2 copies, sequence split" (or batch; ", through N MoE
+    layers" where it has them), or "no copies: why"."""
+    from coc_inject.multi_copy.forward import last_route
+    from coc_inject.multi_copy.moe import moe_layers
+
+    route, moe = last_route(block), len(moe_layers(block))
     if route is None:
         return "no copies: no block call counted"
-    return f"{route.copies} copies, {route.split} split" if route.copies > 1 else f"no copies: {route.reason}"
+    through = f", through {moe} MoE layer{'s' * (moe > 1)}" if moe else ""
+    return f"{route.copies} copies, {route.split} split{through}" if route.copies > 1 else f"no copies: {route.reason}"
 
 
 @contextmanager
 def block_variant(block, config, compute_only: bool = False, ran: dict | None = None):
-    """``config``'s CoC linears and multi-copy installed on Megatron's modules (every collective a no-op with
+    """``config``'s CoC linears, MoE pieces and multi-copy installed on Megatron's modules (every collective a no-op with
     ``compute_only``: the compute-only twin), undone on leaving; with copies armed, ``ran["copies"]`` says how the
     block's last call ran (:func:`copies_ran`)."""
     from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.moe import moe_layer
 
     from coc_inject import job
     from coc_inject.linears import install as linears
+    from coc_inject.moe import install as moe
     from coc_inject.multi_copy import install as copies
     from coc_inject.testbed import link
 
     if config.enabled:
         linears.install(config)
+    if config.moe_armed:
+        moe.install(config, moe_layer)
     if config.multi_copy_armed:
         copies.install(config, transformer_block)
     try:

@@ -38,6 +38,7 @@ class Setup:
     tp: int | None = None
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert TP (None: Megatron's default, the TP size)
     megatron: bool = True
     command: str = "coc-inject bench"
     device_variable: str = "COC_BENCH_DEVICE"  # under torchrun, "npu" in it picks the Ascend NPU
@@ -190,11 +191,12 @@ def torchrun_device(npu_variable: str):
 
 def initialize_megatron(setup: Setup, world: int) -> None:
     """Megatron's parallel state: TP = ``setup.tp`` (default: the whole world), CP = ``setup.cp``,
-    EP = ``setup.ep``."""
+    EP = ``setup.ep``, expert TP = ``setup.etp``."""
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=setup.tp or world,
-                                             context_parallel_size=setup.cp, expert_model_parallel_size=setup.ep)
+                                             context_parallel_size=setup.cp, expert_model_parallel_size=setup.ep,
+                                             expert_tensor_parallel_size=setup.etp)
 
 
 def point_megatron_at_cpu() -> None:

@@ -4,11 +4,12 @@ and the compute-only twin -- C, M, the limit max(C, M) and the exposed communica
 hides (coc_inject.bench.report). Writes layer.json / layer.png into --out.
 
     python -m coc_inject.bench.cases.layer [--link 1gbit] [--reps 15] [--chunks auto] [--copies 2] [--micro-batch 16]
-                                           [--recompute]
+                                           [--recompute] [--moe [--ep 2]]
 
-``--micro-batch 1`` (one the copies do not divide): the copies split the sequence; the title and layer.json's
-``copies`` say which split ran ("2 copies, sequence split", or "no copies: why"). ``--recompute``: every layer
-fully recomputed (Megatron's full recompute, uniform, one layer a chunk).
+``--micro-batch 1``: sequence copies; the title and layer.json's ``copies`` say which split ran ("2 copies,
+sequence split", or "no copies: why"). ``--recompute``: every layer fully recomputed (uniform, one a chunk).
+``--moe``: MoE MLPs (testbed.models.moe_settings) at EP ``--ep`` (default the world), expert TP 1; the CoC
+variants also run the all-to-alls in pieces (COC_MOE_OVERLAP=auto).
 """
 
 from __future__ import annotations
@@ -28,19 +29,13 @@ VARIANTS = ("megatron", "coc", "copies", "coc+copies", report.COMPUTE_ONLY)
 def rank_work(args, device) -> dict | None:
     import torch
 
-    from coc_inject.config import CocConfig
-    from coc_inject.testbed.models import block_variant, build_block
+    from coc_inject.testbed.models import block_step, block_variant, build_block, variant_config
 
     block, hidden, mask = build_block(args, micro_batch=args.micro_batch)
-    ran = {}  # the copies variants: how the block ran (copies and split, or why not)
-
-    def step():
-        out = block(hidden.clone().requires_grad_(True), mask)
-        out.backward(torch.ones_like(out))
+    ran, step = {}, block_step(block, hidden, mask)  # ran: how the copies variants' block ran (split, or why not)
 
     def variant(name, tune_cache):
-        config = CocConfig(parallel_num=args.chunks if "coc" in name else 1,
-                           multi_copy=args.copies if "copies" in name else 1, tune_cache=tune_cache)
+        config = variant_config(args, "coc" in name, "copies" in name, tune_cache)
         return lambda: block_variant(block, config, name == report.COMPUTE_ONLY, ran)
 
     timer = Timer(device)
@@ -63,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                             ("--heads", 8), ("--layers", 1), ("--threads", 1)):
         parser.add_argument(option, type=int, default=default)
     parser.add_argument("--recompute", action="store_true", help="full recompute of every layer (uniform, 1 a chunk)")
+    parser.add_argument("--moe", action="store_true", help="MoE MLPs (alltoall, EP --ep, default the world)")
+    parser.add_argument("--ep", type=int, choices=(1, 2), help="the MoE block's expert-parallel size")
     parser.add_argument("--out", type=Path, help="write layer.json / layer.png here")
     return parser
 
@@ -72,13 +69,16 @@ def measure(args) -> int:
     from coc_inject.config import AUTO
 
     args.chunks = AUTO if str(args.chunks) == "auto" else int(args.chunks)
-    setup = ranks.Setup(world=2, link=args.link, threads=args.threads, command="coc-inject bench --cases layer")
+    ep = (args.ep or 2) if args.moe else 1
+    setup = ranks.Setup(world=2, link=args.link, threads=args.threads, ep=ep, etp=1 if args.moe else None,
+                        command="coc-inject bench --cases layer")
     result = ranks.run(setup, rank_work, args)
     if result is None:
         return 0  # not rank 0 of a torchrun job
-    recompute = ", full recompute" if args.recompute else ""
-    title = (f"one TransformerBlock ({args.layers} layer, seq {args.seq}, micro-batch {args.micro_batch}, hidden "
-             f"{args.hidden}, ffn {args.ffn}) forward + backward{recompute}, TP=2 SP, {ranks.describe_where(setup)}; "
+    kind = f"MoE ({ep * 2} experts top-2 aux_loss, EP={ep}) " if args.moe else ""
+    title = (f"one {kind}TransformerBlock ({args.layers} layer, seq {args.seq}, micro-batch {args.micro_batch}, "
+             f"hidden {args.hidden}, ffn {args.ffn}) forward + backward{', full recompute' * args.recompute}, TP=2 SP, "
+             f"{ranks.describe_where(setup)}; "
              f"{args.reps} interleaved repetitions; copies: {result['copies']}")
     print(title)
     print(report.format_overlap(result, "TransformerBlock"))
@@ -89,9 +89,10 @@ def measure(args) -> int:
 
 
 def add_options(parser) -> None:
-    parser.add_argument_group("layer case (--cases layer)").add_argument(
-        "--micro-batch", type=int, default=16, help="the block's micro-batch (default 16: batch copies; 1: sequence "
-        "copies)")
+    group = parser.add_argument_group("layer case (--cases layer)")
+    group.add_argument("--micro-batch", type=int, default=16, help="default 16: batch copies; 1: sequence copies")
+    group.add_argument("--moe", action="store_true", help="MoE MLPs at EP --ep (1 or 2), the CoC variants with "
+                       "COC_MOE_OVERLAP=auto")
 
 
 def bench(bench_args) -> int:
@@ -101,7 +102,8 @@ def bench(bench_args) -> int:
     args = build_parser().parse_args(["--reps", str(bench_args.reps), "--threads", str(bench_args.threads),
                                       "--chunks", str(chunks), "--out", str(bench_args.out),
                                       "--micro-batch", str(bench_args.micro_batch)]
-                                     + (["--link", bench_args.link] if bench_args.link else []))
+                                     + (["--link", bench_args.link] if bench_args.link else [])
+                                     + (["--moe", "--ep", str(bench_args.ep)] if bench_args.moe else []))
     return measure(args)
 
 
