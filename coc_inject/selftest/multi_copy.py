@@ -11,6 +11,11 @@ Sequence copies: the same block at micro-batch 1 (the copies split the sequence,
 the copies meet in the attention) against Megatron's block on the whole micro-batch (a sequence cannot run
 in halves one after another), the same errors, and that the copies ran a sequence split.
 
+MoE copies: the same block with MoE MLPs (testbed.models.moe_settings: alltoall dispatcher, EP = the world, expert
+TP 1, Megatron's default batch ``aux_loss``, which the copies combine exactly) at micro-batch 2 against Megatron's
+block on the whole micro-batch (the batch aux loss of two halves is not the whole's), the same errors (the router's
+gradient carries the aux loss's), and that the copies ran a batch split through every MoE layer.
+
 First, on one rank or many: this torch's autograd runs the copies' backward as it assumes
 (multi_copy/autograd_check.py, the check install makes; where it fails, every block runs Megatron's)."""
 
@@ -25,6 +30,7 @@ COPIES, LAYERS, BATCH = 2, 2, 2  # the batch splits into the copies
 
 AUTOGRAD_CASE = "autograd runs the copies' backward"
 SEQUENCE = "micro-batch 1"  # the sequence copies' backend ends so
+MOE = "MoE aux_loss"  # the MoE block's backend ends so
 
 
 def run(ctx) -> list[dict]:
@@ -33,6 +39,9 @@ def run(ctx) -> list[dict]:
     for backend in (f"{COPIES} copies", f"{COPIES} copies, {SEQUENCE}"):
         rows += run_case(ctx, WING, block, backend, "no tensor-parallel collectives to overlap", _case,
                          tensor_model_parallel_size=ctx.world)
+    rows += run_case(ctx, WING, f"MoE block x{LAYERS} TP={ctx.world} SP EP={ctx.world}", f"{COPIES} copies, {MOE}",
+                     "no expert parallelism to overlap", _case, tensor_model_parallel_size=ctx.world,
+                     expert_model_parallel_size=ctx.world, expert_tensor_parallel_size=1)
     return rows
 
 
@@ -58,15 +67,16 @@ def _case(ctx, case, backend) -> dict:
 
     from coc_inject.testbed.models import build_block
     from coc_inject.config import CocConfig
-    from coc_inject.multi_copy import forward as copies_forward, install as copies
+    from coc_inject.multi_copy import forward as copies_forward, install as copies, moe as copies_moe
 
     dtype = ctx.torch_dtype()
     heads = 2 * ctx.world  # TP = the world divides the heads, the hidden and the FFN sizes
     sizes = types.SimpleNamespace(layers=LAYERS, batch=BATCH, seq=32 * ctx.world, heads=heads, hidden=16 * heads,
                                   ffn=32 * heads)
-    sequence = backend.endswith(SEQUENCE)
+    sequence, sizes.moe = backend.endswith(SEQUENCE), backend.endswith(MOE)
+    sizes.moe_aux_coeff = 1.0  # the aux loss's share of the router's gradient large: a copy's own loss shows
     # build_block also seeds torch and Megatron's RNG tracker
-    block, hidden, mask = build_block(sizes, micro_batch=1 if sequence else BATCH)
+    block, hidden, mask = build_block(sizes, micro_batch=1 if sequence else BATCH, shims=ctx.device.type == "cpu")
     block.to(device=ctx.device, dtype=dtype)
     hidden, mask = hidden.to(ctx.device, dtype), mask.to(ctx.device)
     grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(7 + ctx.rank)).to(ctx.device, dtype)
@@ -92,8 +102,16 @@ def _case(ctx, case, backend) -> dict:
     config = CocConfig(multi_copy=COPIES)
     errors, times, calls, route = against_megatron(ctx, step, lambda: copies.install(config, transformer_block),
                                                    lambda: copies_forward.last_route(block),
-                                                   truth_step=None if sequence else lambda: step(COPIES))
+                                                   truth_step=None if sequence or sizes.moe else lambda: step(COPIES),
+                                                   order=_routed_rows_apart)
     ran = route is not None and route.copies == COPIES and route.split == ("sequence" if sequence else "batch")
+    ran = ran and len(copies_moe.moe_layers(block)) == (LAYERS if sizes.moe else 0)
     errors["copies ran"] = common.max_over_ranks(float(not ran), ctx.group, ctx.device)
     return common.row(WING, case, backend, errors, ctx.dtype, *times, collectives=len(calls),
                       **({} if ran else {"why_not_copies": getattr(route, "reason", "no block call counted")}))
+
+
+def _routed_rows_apart(calls: list) -> list:
+    """The calls compared over the ranks with an all-to-all's shapes left out (its rows are the routing's,
+    different per rank by design)."""
+    return [(name, None if name == "all_to_all_single" else shapes, copy) for name, shapes, copy in calls]

@@ -57,7 +57,8 @@ def build_block(args, micro_batch: int | None = None, shims: bool = True):
     parallelism, and its input (this rank's rows of ``micro_batch`` sequences, default ``args.batch``) and causal
     mask, on the CPU; ``args.recompute``: every layer fully recomputed (uniform, one layer a chunk). A micro-batch
     the copies do not divide (1) runs as sequence copies (:func:`copies_ran` says which split ran). ``args.moe``:
-    every layer's MLP an MoE layer (:func:`moe_settings`; Megatron's expert parallelism as initialized)."""
+    every layer's MLP an MoE layer (:func:`moe_settings`, its aux-loss coefficient ``args.moe_aux_coeff`` if set;
+    Megatron's expert parallelism as initialized)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel import random as tp_random
@@ -72,7 +73,8 @@ def build_block(args, micro_batch: int | None = None, shims: bool = True):
         tensor_model_parallel_size=tp, sequence_parallel=True, params_dtype=torch.float32,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0, **(moe_settings(shims) if getattr(args, "moe", False) else {}),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        **(moe_settings(shims, getattr(args, "moe_aux_coeff", MOE_AUX_COEFF)) if getattr(args, "moe", False) else {}),
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if getattr(args, "recompute", False) else {}))
     if getattr(args, "recompute", False):
@@ -111,7 +113,7 @@ def variant_config(args, coc: bool, copies: bool, tune_cache):
 MOE_LOCAL_EXPERTS, MOE_TOPK, MOE_AUX_COEFF = 2, 2, 0.01
 
 
-def moe_settings(shims: bool = True) -> dict:
+def moe_settings(shims: bool = True, aux_coeff: float = MOE_AUX_COEFF) -> dict:
     """The block's MoE MLP: alltoall dispatcher, SequentialMLP experts (the local spec), ``MOE_LOCAL_EXPERTS``
     a rank at Megatron's EP, expert TP as initialized, top-``MOE_TOPK``, Megatron's default routing loss
     (the batch ``aux_loss``); ``shims``: on CPU ranks, with :func:`coc_inject.testbed.cpu.cpu_moe_shims`."""
@@ -126,7 +128,7 @@ def moe_settings(shims: bool = True) -> dict:
     return dict(num_moe_experts=MOE_LOCAL_EXPERTS * ep, moe_router_topk=MOE_TOPK, moe_token_dispatcher_type="alltoall",
                 expert_model_parallel_size=ep,
                 expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
-                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=MOE_AUX_COEFF, add_bias_linear=False)
+                moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=aux_coeff, add_bias_linear=False)
 
 
 def copies_ran(block) -> str:
@@ -144,9 +146,9 @@ def copies_ran(block) -> str:
 
 @contextmanager
 def block_variant(block, config, compute_only: bool = False, ran: dict | None = None):
-    """``config``'s CoC linears, MoE pieces and multi-copy installed on Megatron's modules (every collective a no-op with
-    ``compute_only``: the compute-only twin), undone on leaving; with copies armed, ``ran["copies"]`` says how the
-    block's last call ran (:func:`copies_ran`)."""
+    """``config``'s CoC linears, MoE pieces and multi-copy installed on Megatron's modules (every collective a
+    no-op with ``compute_only``: the compute-only twin), undone on leaving; with copies armed, ``ran["copies"]``
+    says how the block's last call ran (:func:`copies_ran`)."""
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.moe import moe_layer
 

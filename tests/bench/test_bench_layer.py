@@ -40,8 +40,9 @@ def test_coc_inject_bench_hands_moe_and_its_ep_to_the_layer_case(monkeypatch):
 
 
 def test_the_moe_block_runs_as_copies_and_the_json_says_so(tmp_path):
-    args = layer.build_parser().parse_args(["--moe", "--micro-batch", "2", "--reps", "1", "--seq", "32", "--hidden",
-                                            "32", "--ffn", "32", "--heads", "4", "--chunks", "2", "--out", str(tmp_path)])
+    args = layer.build_parser().parse_args(["--moe", "--micro-batch", "2", "--reps", "1", "--seq", "32",
+                                            "--hidden", "32", "--ffn", "32", "--heads", "4", "--chunks", "2",
+                                            "--out", str(tmp_path)])
     assert layer.measure(args) == 0
     result = json.loads((tmp_path / "layer.json").read_text())
     # the block's one MLP is an MoE layer (EP 2: 4 experts), and the copies ran through it (not Megatron's block)

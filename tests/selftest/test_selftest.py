@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from coc_inject.selftest import linears
-from coc_inject.selftest.multi_copy import AUTOGRAD_CASE, SEQUENCE
+from coc_inject.selftest.multi_copy import AUTOGRAD_CASE, MOE, SEQUENCE
 from coc_inject.selftest.run import WINGS
 
 
@@ -77,12 +77,18 @@ def test_context_parallel_runs_each_algorithm_cp2_has_with_memory_per_rank(selft
 
 def test_multi_copy_and_moe_check_order_and_pieces(selftest):
     _, result = selftest
-    autograd, copies, sequence = checked(result, "multi-copy")
+    autograd, copies, sequence, moe_copies = checked(result, "multi-copy")
     assert autograd["case"] == AUTOGRAD_CASE and autograd["errors"] == {"autograd order": 0.0}
-    for row in (copies, sequence):  # batch copies at micro-batch 2, sequence copies at micro-batch 1
+    # batch copies at micro-batch 2, sequence copies at micro-batch 1, batch copies through MoE layers (aux_loss)
+    for row in (copies, sequence, moe_copies):
         assert row["errors"]["collective order"] == 0.0 and row["errors"]["copies ran"] == 0.0, row
         assert row["collectives"] > 0 and "why_not_copies" not in row, row
+        assert set(row["errors"]) == {"output", "input grad", "param grads", "collective order", "copies ran"}
+        assert row["passed"] and row["bound"] == 1e-4, row
     assert sequence["backend"] == f"2 copies, {SEQUENCE}" and sequence["case"] == copies["case"]
+    assert moe_copies["backend"] == f"2 copies, {MOE}" and moe_copies["case"] == "MoE block x2 TP=2 SP EP=2"
+    # the MoE block's all-to-alls are among its collectives (its copies met in the MoE layers)
+    assert moe_copies["collectives"] > copies["collectives"], (moe_copies, copies)
     (moe,) = checked(result, "moe")
     assert moe["errors"]["pieces ran"] == 0.0
 
