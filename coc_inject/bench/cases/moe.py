@@ -103,7 +103,7 @@ def format_table(results: list) -> str:
 
 def add_options(parser) -> None:
     group = parser.add_argument_group("MoE case (--cases moe)")
-    group.add_argument("--ep", type=int, default=2, help="expert-parallel size, one local rank each (default 2)")
+    group.add_argument("--ep", type=int, default=2, help="EP (default 2): moe, a local rank each; layer --moe: 1 or 2")
     group.add_argument("--local-experts", nargs="+", type=int, default=[1, 2, 4],
                        help="local experts per rank, one case each (default 1 2 4)")
     group.add_argument("--moe-tokens", type=int, default=4096, help="tokens per rank into the layer")
