@@ -16,6 +16,7 @@ states) is saved when it hands the baton on and restored when it takes it back
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import queue
@@ -198,9 +199,13 @@ class CopyRun(Copies):
                         self._turn = nxt
                     self._cond.notify_all()
 
+        # Each copy runs in a copy of the caller's context variables: torch keeps its config's
+        # overrides in them (torch._dynamo.config.disable = True in the caller: the copies'
+        # torch.compile'd helpers would compile in a new thread's context).
+        contexts = [contextvars.copy_context() for _ in range(self.n)]
         with _pool.lent(self.n) as workers:
             for index, worker in enumerate(workers):
-                worker.start(functools.partial(body, index))
+                worker.start(functools.partial(contexts[index].run, body, index))
             with self._cond:
                 self._cond.wait_for(lambda: all(self._done))
         if self._failed is not None:

@@ -82,6 +82,30 @@ def test_a_kept_thread_takes_each_runs_autocast_and_grad_mode_not_the_last_ones(
     assert scheduler.CopyRun(2).run([state, state]) == [(False, True)] * 2
 
 
+def test_copies_see_the_callers_context_variables_and_torchs_config_overrides():
+    # torch keeps its config's user overrides in context variables (per thread): a job that sets
+    # torch._dynamo.config.disable must not have torch.compile'd helpers compile inside its copies.
+    import contextvars
+
+    var = contextvars.ContextVar("caller", default="unset")
+
+    def seen():
+        value = var.get()
+        var.set("changed in a copy")
+        return value, torch._dynamo.config.disable
+
+    token = var.set("the caller's")
+    before = torch._dynamo.config.disable
+    try:
+        torch._dynamo.config.disable = not before
+        assert scheduler.CopyRun(2).run([seen, seen]) == [("the caller's", not before)] * 2
+        assert var.get() == "the caller's"  # a copy's change stays in the copy
+    finally:
+        torch._dynamo.config.disable = before
+        var.reset(token)
+    assert scheduler.CopyRun(2).run([seen, seen]) == [("unset", before)] * 2  # a kept thread: this run's
+
+
 def test_a_forked_child_runs_copies_on_threads_of_its_own():
     import multiprocessing
 
