@@ -34,6 +34,9 @@ from megatron_lm_moe import checkout_dir, losses  # noqa: E402
 RTOL = 1e-5
 SUMMARY = re.compile(r"^\[coc-inject rank 0\].*first step.*$", re.MULTILINE)
 COPIES = re.compile(r"multi-copy [^;]*")
+# The routing losses Megatron's tracker logs for an MoE model, each iteration (combined over the copies).
+TRACKED = re.compile(r"\| (\w+_loss): ([0-9.eE+-]+)")
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 
 COMMON = """
 --num-layers 2 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4
@@ -83,6 +86,16 @@ def summary_problems(text: str, split: str, bands: bool) -> tuple:
     return line, problems
 
 
+def tracked(text: str) -> dict:
+    """{(iteration, name): value} of the routing losses Megatron's tracker logs (load_balancing_loss, ...)."""
+    values = {}
+    for line in text.splitlines():
+        iteration = ITERATION.search(line)
+        if iteration:
+            values.update({(int(iteration.group(1)), name): float(v) for name, v in TRACKED.findall(line)})
+    return values
+
+
 def compare(case: str, off_text: str, on_text: str, iters: int, judged: bool) -> tuple:
     """Print the two runs side by side; (the losses and grad norms agree, max |loss diff|, max |norm diff|)."""
     off_loss, on_loss = losses(off_text), losses(on_text)
@@ -98,6 +111,18 @@ def compare(case: str, off_text: str, on_text: str, iters: int, judged: bool) ->
         good = good and abs(a - b) <= RTOL * abs(a) and abs(c - d) <= RTOL * abs(c)
         loss_diff, norm_diff = max(loss_diff, abs(a - b)), max(norm_diff, abs(c - d))
         print(f"{case}: {i:>4}  {a:>14.7e}  {b:>14.7e}  {abs(a - b):>8.1e}  {c:>14.7e}  {d:>14.7e}  {abs(c - d):>8.1e}")
+    off_tracked, on_tracked = (tracked(t) for t in (off_text, on_text))
+    good = good and sorted(off_tracked) == sorted(on_tracked)
+    for key in sorted(off_tracked):
+        a, b = off_tracked[key], on_tracked.get(key, float("nan"))
+        good = good and abs(a - b) <= RTOL * abs(a)
+        if b != a:
+            print(f"{case}: {key[0]:>4}  {key[1]}: off {a:.6e}, copies {b:.6e}")
+    if off_tracked:
+        names = sorted({name for _, name in off_tracked})
+        print(f"{case}: Megatron's logged {', '.join(names)}: "
+              + ("equal at every iteration" if all(on_tracked.get(k) == v for k, v in off_tracked.items())
+                 else "see above"))
     verdict = ("equal" if good else "NOT equal") + f" within {RTOL:g} relative" if judged else "measured"
     print(f"{case}: max |loss diff| {loss_diff:.2e}, max |grad norm diff| {norm_diff:.2e} ({verdict})")
     return good, loss_diff, norm_diff
