@@ -175,17 +175,23 @@ def block_calls(log: list) -> list:
     return calls
 
 
-@pytest.mark.parametrize("sp", [True, pytest.param(False, marks=newest_only)], ids=["sp", "no-sp"])
-def test_every_rank_issues_the_same_collectives_in_the_copies_interleave(pool, sp):
-    """TP 4 training as without copies (3 steps), every collective of it in the same order on every
-    rank, each block call's in the interleave of the copies' turns."""
-    got = run(pool, tp=4, sp=sp, b=4, record=True)
+def same_block_calls_on_every_rank(got: list) -> tuple[list, list]:
+    """Every rank's collectives in one order; rank 0's block calls, and those of them in the backward.
+    One block per step for 3 steps: its forward and its backward."""
     first = got[0]["collectives"]
     for rank, result in enumerate(got[1:], start=1):
         assert result["collectives"] == first, f"rank {rank} issued its collectives in another order"
     calls = block_calls(first)
     backward = [call for call in calls if any(record[4] for record in call)]
-    assert len(calls) == 2 * 3 and len(backward) == 3, calls  # one block per step: its forward and its backward
+    assert len(calls) == 2 * 3 and len(backward) == 3, calls
+    return calls, backward
+
+
+@pytest.mark.parametrize("sp", [True, pytest.param(False, marks=newest_only)], ids=["sp", "no-sp"])
+def test_every_rank_issues_the_same_collectives_in_the_copies_interleave(pool, sp):
+    """TP 4 training as without copies (3 steps), every collective of it in the same order on every
+    rank, each block call's in the interleave of the copies' turns."""
+    calls, backward = same_block_calls_on_every_rank(run(pool, tp=4, sp=sp, b=4, record=True))
     for call in calls:
         assert call == interleaved(call), call
         assert [r[3] for r in call].count(0) == [r[3] for r in call].count(1) >= 2 * 2  # two layers

@@ -8,7 +8,7 @@ SP, and a causal mask tensor with RoPE and GQA (Megatron's attention, rotary and
 import pytest
 
 from tests.context_parallel.test_cp_gpt import assert_same_training, pool  # noqa: F401 - pool: a fixture
-from tests.multi_copy.test_multi_copy import block_calls, interleaved, reference, run
+from tests.multi_copy.test_multi_copy import interleaved, reference, run, same_block_calls_on_every_rank
 from tests.scope import newest_only
 
 
@@ -35,11 +35,7 @@ def test_micro_batch_3_with_2_copies_splits_the_sequence(pool):
 def test_every_rank_issues_the_same_collectives_in_the_copies_interleave(pool):
     got = run(pool, tp=4, sp=True, b=1, mask="none", record=True, poison=True)
     first = got[0]["collectives"]
-    for rank, result in enumerate(got[1:], start=1):
-        assert result["collectives"] == first, f"rank {rank} issued its collectives in another order"
-    calls = block_calls(first)
-    backward = [call for call in calls if any(record[4] for record in call)]
-    assert len(calls) == 2 * 3 and len(backward) == 3, calls  # one block per step: its forward and its backward
+    calls, backward = same_block_calls_on_every_rank(got)
     for call in calls:
         assert [r[3] for r in call].count(0) == [r[3] for r in call].count(1) >= 2 * 2, call
         if call not in backward:
