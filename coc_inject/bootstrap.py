@@ -25,6 +25,7 @@ WING_HOOKS = (
     ("coc_inject.multi_copy.install:on_transformer_block_imported", "megatron.core.transformer.transformer_block"),
     # MoE: the MoE layer (its dispatcher and experts are imported by it).
     ("coc_inject.moe.install:on_moe_layer_imported", "megatron.core.transformer.moe.moe_layer"),
+    ("coc_inject.measure.install:on_layers_imported", "megatron.core.tensor_parallel.layers"),
 )
 TRIGGER = "megatron"
 
@@ -50,6 +51,8 @@ REQUESTING = {
     "COC_FLASH_ATTN": _FALSE_WORDS,
     "COC_MULTI_COPY": ("1",),
     "COC_MOE_OVERLAP": _FALSE_WORDS,
+    "COC_MEASURE": _FALSE_WORDS,
+    "COC_TRACE": (),
 }
 # MindSpeed's command-line switches. The config rejects the CoC ones without --use-ascend-coc;
 # they count as a request here so that it is the config that says so.
@@ -66,7 +69,8 @@ KNOWN = (
     "COC_ENABLE_IN_COLUMN_BACKWARD", "COC_MATMUL_SOC_FRIENDLY", "COC_CUSTOMIZED", "COC_CONFIG", "COC_LOG_LEVEL",
     "COC_FUSED_BACKEND", "COC_DETERMINISTIC", "COC_ALLOW_UNTESTED_MEGATRON", "COC_REPORT", "COC_TUNE_CANDIDATES",
     "COC_TUNE_CACHE", "COC_CP_ALGO", "COC_CP_WINDOW", "COC_CP_ULYSSES_DEGREE", "COC_CP_MASK_TYPE", "COC_ATTN_KERNEL",
-    "COC_FLASH_ATTN", "COC_MULTI_COPY", "COC_MOE_OVERLAP", "COC_CACHE_DIR", "COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE",
+    "COC_FLASH_ATTN", "COC_MULTI_COPY", "COC_MOE_OVERLAP", "COC_MEASURE", "COC_MEASURE_EVERY",
+    "COC_MEASURE_WARN", "COC_TRACE", "COC_TRACE_STEPS", "COC_CACHE_DIR", "COC_BENCH_DEVICE", "COC_SELFTEST_DEVICE",
 )
 PREFIXES = ("COC_", "USE_COC_")
 # Set once the unknown names were said, so that the processes a launcher starts from this one (torchrun's

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import sys
 import threading
 
 import torch.distributed as dist
@@ -59,6 +60,26 @@ def replaced(make, names=COLLECTIVES):
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
+
+
+def patch_all(make, patches, names=COLLECTIVES) -> None:
+    """For a whole job: each collective in ``names`` replaced by ``make(name, what_was_there)`` (None:
+    left as it is), in torch.distributed and in the Megatron aliases already imported, through
+    ``patches`` (coc_inject.patches.Patches: undone by its restore). COC_MEASURE's meter."""
+    replacements = {}
+    for name in names:
+        current = getattr(dist, name, None)
+        replacement = None if current is None else make(name, current)
+        if replacement is not None:
+            replacements[current] = replacements[inspect.unwrap(current)] = replacement
+            patches.patch(dist, name, replacement)
+    for module_name, aliases in MEGATRON_ALIASES.items():
+        module = sys.modules.get(module_name)
+        for alias in aliases if module is not None else ():
+            current = getattr(module, alias, None)
+            replacement = replacements.get(current) or replacements.get(inspect.unwrap(current))
+            if replacement is not None:
+                patches.patch(module, alias, replacement)
 
 
 class Shared:

@@ -102,6 +102,8 @@ class Installation:
         self.tuners: dict = {}  # wing -> tuning.Tuner, made at the wing's first auto call
         self.patched_forwards: dict = {}  # linear class -> the forward put there (the coverage checks it)
         self.coverage = None  # made by the first hook that counts calls, armed once
+        self.exposure = None  # the meter (coc_inject.measure), with COC_MEASURE or COC_TRACE
+        self.undo: list = []  # what else uninstall() calls (the meter's hooks), last first
 
     def armed_coverage(self) -> Coverage:
         if self.coverage is None:
@@ -126,6 +128,8 @@ class Installation:
         return tuner.decisions if tuner is not None else {}
 
     def uninstall(self) -> None:
+        while self.undo:
+            self.undo.pop()()
         self.patches.restore()
         self.patched_forwards.clear()
         if self.coverage is not None:

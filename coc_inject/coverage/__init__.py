@@ -35,6 +35,7 @@ class Coverage(Counts):
         self.attention_decisions = dict  # () -> {AttentionKey: Decision} of COC_CP_ALGO=auto
         self.copies_decisions = dict  # () -> {CopiesKey: Decision} of COC_MULTI_COPY=auto
         self.moe_decisions = dict  # () -> {MoEKey: Decision} of COC_MOE_OVERLAP=auto
+        self.communication = lambda: None  # () -> the meter's report (COC_MEASURE), set by its installation
 
     def inspect_model(self) -> None:
         self.model.inspect([*self.job.records.values(), *self.trials.records.values()])

@@ -220,6 +220,8 @@ def report(coverage) -> dict:
             {"key": key.text(), "choice": key.name(decision.choice), "chunks": decision.choice,
              "source": decision.source, "times_ms": {key.candidate(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.moe_decisions().items()],
+        # COC_MEASURE: exposed communication per wing, collective and layer (coc_inject.measure), else None
+        "communication": coverage.communication(),
     }
 
 

@@ -213,3 +213,59 @@ class ChunkCandidates(Kind):
 
     def text(self, value):
         return ",".join(map(str, value))
+
+
+class StepRange(Kind):
+    """Training steps, counted from 1 at the first optimizer step: stored as ``(first, last)``, ``last``
+    None for "to the end"; ``None`` is off. ``on_means``: what a plain switch word on reads as (COC_MEASURE's
+    1 = every step), None where a number means a step (COC_TRACE_STEPS's 2 = step 2)."""
+
+    off_words = FALSE_WORDS
+
+    def __init__(self, allowed: str, on_means: tuple | None = None):
+        super().__init__(allowed)
+        self.on_means = on_means
+
+    def parse(self, variable, text):
+        word = text.strip().lower()
+        if self.on_means is not None and word in TRUE_WORDS:
+            return self.on_means
+        if self.on_means is not None and word in FALSE_WORDS:
+            return None
+        first, dash, last = word.partition("-")
+        if first.isdigit() and int(first) >= 1 and (not dash or not last or (last.isdigit() and int(last) >= int(first))):
+            return int(first), (int(last) if last else None) if dash else int(first)
+        raise ConfigError(variable, text, self.allowed)
+
+    def accepts(self, value):
+        if value is None:
+            return True
+        return (isinstance(value, tuple) and len(value) == 2 and is_int(value[0]) and value[0] >= 1
+                and (value[1] is None or (is_int(value[1]) and value[1] >= value[0])))
+
+    def shown(self, value):
+        return None if value is None else self.text(value)
+
+    def text(self, value):
+        if value is None:
+            return "0"
+        if self.on_means is not None and value == self.on_means:
+            return "1"
+        first, last = value
+        return f"{first}-" if last is None else str(first) if first == last else f"{first}-{last}"
+
+
+class Percent(Kind):
+    """An integer percent, 0 to 100."""
+
+    def __init__(self, allowed: str):
+        super().__init__(allowed)
+
+    def parse(self, variable, text):
+        word = text.strip().rstrip("%").strip()
+        if word.isdigit() and int(word) <= 100:
+            return int(word)
+        raise ConfigError(variable, text, self.allowed)
+
+    def accepts(self, value):
+        return is_int(value) and 0 <= value <= 100

@@ -28,6 +28,7 @@ CUSTOMIZED_ALLOWED = (
 )
 TUNE_CANDIDATES_ALLOWED = "a comma-separated list of distinct integers >= 2 (chunk counts), e.g. 2,4,8"
 TUNE_CACHE_ALLOWED = "an absolute file path, or off (no cache)"
+TRACE_ALLOWED = "a directory path (made if missing; it must be writable)"
 REPORT_ALLOWED = "a file path (its directory must be writable); {rank} is replaced by the global rank"
 
 
@@ -169,6 +170,13 @@ def parse_report_path(variable: str, text: str) -> str:
     # Whether the directory is writable is checked when the report is armed: a bad path is a
     # warning then, never a configuration error that stops the job.
     return path
+
+
+def parse_trace_dir(variable: str, text: str) -> str:
+    path = text.strip()
+    if not path or "\0" in path:
+        raise ConfigError(variable, text, TRACE_ALLOWED)
+    return path  # made and checked writable when the trace is armed: a warning then, the job runs on
 
 
 def parse_tune_candidates(variable: str, text: str) -> tuple:

@@ -29,6 +29,8 @@ def k_range_error(k_min, k_max, file_where: str | None = None) -> ConfigError | 
 # would do nothing: (is it on in the resolved values, what to set too, the reason given).
 CONTEXT_PARALLELISM = "context parallelism"
 ATTENTION = "coc-inject's attention"
+MEASURING = "measuring"
+TRACING = "tracing"
 
 
 def _linears_on(values) -> bool:
@@ -46,6 +48,14 @@ SWITCHED_ON = {
         "COC_CP_ALGO or COC_FLASH_ATTN=1 set too (or CoC on: then the context-parallel algorithm follows "
         "Megatron's cp_comm_type)",
         "is given but no attention of coc-inject's is switched on"),
+    MEASURING: (
+        lambda values: values.get("measure") is not None or values.get("trace_dir") is not None,
+        "COC_MEASURE=1 (or a step range) or COC_TRACE set too",
+        "is given but nothing is measured"),
+    TRACING: (
+        lambda values: values.get("trace_dir") is not None,
+        "COC_TRACE=DIR set too",
+        "is given but no trace is written"),
 }
 
 

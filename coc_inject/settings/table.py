@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coc_inject.settings import parsers
-from coc_inject.settings.kinds import AtLeast, ChunkCandidates, ChunkCount, Choice, Kind, OffOnAuto, ShapeCounts, Switch
-from coc_inject.settings.rules import ATTENTION, CONTEXT_PARALLELISM
+from coc_inject.settings.kinds import (AtLeast, ChunkCandidates, ChunkCount, Choice, Kind, OffOnAuto, Percent, ShapeCounts,
+                                       StepRange, Switch)
+from coc_inject.settings.rules import ATTENTION, CONTEXT_PARALLELISM, MEASURING, TRACING
 
 # ``agreed``: every rank must hold the same value (a mismatch would chunk collectives differently
 # and hang), checked by the config's fingerprint. ALWAYS: in every fingerprint; WHEN_SET: only when
@@ -93,6 +94,10 @@ MULTI_COPY_ALLOWED = ("1 (off), an integer n >= 2 (copies; they must divide the 
 
 MOE_OVERLAP_ALLOWED = ("0 (off), 1 (pieces) or auto (pieces or Megatron's dispatcher, tried per MoE layer shape at run "
                        "time); also true/false, on/off, yes/no (any case)")
+
+MEASURE_ALLOWED = ("0 (off), 1 (every step), or a step range A-B or A- (from step A on); steps count from 1, each "
+                   "ending at an optimizer step; also true/false, on/off, yes/no (any case)")
+TRACE_STEPS_ALLOWED = "a step A or a step range A-B (steps count from 1, each ending at an optimizer step)"
 
 SWITCH = Switch()
 POSITIVE_INT = AtLeast(1, parsers.POSITIVE_INT_ALLOWED)
@@ -200,6 +205,25 @@ SETTINGS = (
             "local experts' compute, forward and backward; results as Megatron's. auto: pieces or Megatron's "
             "dispatcher, as the layer's trials find fastest. Arms coc-inject on its own.",
             flag="--moe-alltoall-overlap-comm", agreed=WHEN_SET, arms=UNLESS_OFF),
+    Setting("COC_MEASURE", "measure", StepRange(MEASURE_ALLOWED, on_means=(1, None)), None,
+            "Exposed communication per wing: every collective of the measured steps (coc-inject's and Megatron's "
+            "own) timed in flight and where the rank waited for it, summed per wing, per collective and per "
+            "layer: in the first-step summary, every COC_MEASURE_EVERY steps, in COC_REPORT and `coc-inject "
+            "report`. Off costs nothing; its cost on: `make bench-accounting`. Arms coc-inject on its own.",
+            default_text="0", arms=UNLESS_OFF),
+    Setting("COC_MEASURE_EVERY", "measure_every", AtLeast(0, "an integer >= 0 (0: the first step and the end only)"),
+            0, "With COC_MEASURE: also a line per wing every K measured steps (the last K steps' figures).",
+            needs=MEASURING),
+    Setting("COC_MEASURE_WARN", "measure_warn", Percent("an integer percent from 0 to 100 (0: never warn)"), 20,
+            "With COC_MEASURE: warn when a wing that is on hides less than this share of its communication "
+            "(a collective it did not overlap, a link so fast that nothing waited, ...).", needs=MEASURING),
+    Setting("COC_TRACE", "trace_dir", Kind(parsers.TRACE_ALLOWED, parsers.parse_trace_dir), None,
+            "Each rank writes a Chrome-trace JSON (Perfetto, chrome://tracing) of the COC_TRACE_STEPS steps into "
+            "this directory: compute, each collective in flight on its group's track, the waits. Measures those "
+            "steps (as COC_MEASURE). Arms coc-inject on its own.", default_text="(unset)", arms=ANY_VALUE),
+    Setting("COC_TRACE_STEPS", "trace_steps", StepRange(TRACE_STEPS_ALLOWED), (2, 2),
+            "The steps COC_TRACE writes (the first step runs auto's trials, so the second by default).",
+            needs=TRACING),
     # Read by sitecustomize.py only (stdlib, at interpreter start), never by the config.
     Setting("COC_CACHE_DIR", None, None, None,
             "Where the bootstrap keeps the byte code of `coc_inject/__init__.py` and `bootstrap.py` when their "

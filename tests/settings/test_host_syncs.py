@@ -21,6 +21,8 @@ ALLOWED = [
      "the test bed's CPU ranks: gloo takes split sizes as lists; never applied in a job"),
     ("timer.py", "synchronize", "synchronize",
      "the timer: auto's timed trials (once per shape, at its first call), the bench, self-test and tune"),
+    ("measure/exposure.py", "Exposure.finish", "synchronize",
+     "COC_MEASURE's device events at the process's end, once: the last steps' records resolved for the report"),
     ("timer.py", "Timer.__call__", "synchronize", "the bench's timings (device events): no job runs it"),
     ("timer.py", "slowest", "tolist", "the MAX over ranks of timings: auto's once per shape, the bench's"),
     ("pipeline/agreement.py", "ensure_same_config", "tolist",

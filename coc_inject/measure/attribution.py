@@ -1,0 +1,94 @@
+"""Who issued a collective, in which phase, over which group: read from the caller's stack.
+
+The **wing** is the innermost of coc-inject's wings on the stack (its engines issue the chunks, the
+ring's exchanges, the pieces), unless Megatron's own code issued it first: then it is Megatron's
+(``megatron tensor-parallel``, ``megatron moe``, ...), or multi-copy's where it ran inside copies (the
+copies are what hides Megatron's mappings). The interceptions in between (multi-copy's wrappers, the
+bench's, this package's) are passed over. Only while measuring: a walk of ~30 frames per collective.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from coc_inject import copy_context
+
+WINGS = (("coc_inject.linears", "linears"), ("coc_inject.pipeline", "linears"),
+         ("coc_inject.context_parallel", "context_parallel"), ("coc_inject.attention_kernels", "context_parallel"),
+         ("coc_inject.moe", "moe"), ("coc_inject.multi_copy", "multi_copy"))
+PASSED_OVER = ("coc_inject.measure", "coc_inject.dist_interception", "coc_inject.multi_copy.collectives",
+               "coc_inject.testbed", "torch.")
+MEGATRON = (("megatron.core.tensor_parallel", "megatron tensor-parallel"),
+            ("megatron.core.transformer.moe", "megatron moe"),
+            ("megatron.core.distributed", "megatron data-parallel"),
+            ("megatron.core.optimizer", "megatron optimizer"),
+            ("megatron.core.pipeline_parallel", "megatron pipeline"),
+            ("megatron", "megatron other"))
+MEGATRON_OWNERS = tuple(owner for _, owner in MEGATRON) + ("other",)
+_DEPTH = 60
+
+
+def issuer(depth: int = 2) -> str:
+    """The wing (or Megatron's part) whose code made the collective call ``depth`` frames up."""
+    frame = sys._getframe(depth)
+    for _ in range(_DEPTH):
+        if frame is None:
+            break
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith(PASSED_OVER):
+            for prefix, wing in WINGS:
+                if name.startswith(prefix):
+                    return wing
+            if name.startswith("megatron"):
+                if copy_context.current() is not None:
+                    return "multi_copy"
+                return next(owner for prefix, owner in MEGATRON if name.startswith(prefix))
+        frame = frame.f_back
+    return "multi_copy" if copy_context.current() is not None else "other"
+
+
+def phase() -> str:
+    """"backward" inside an autograd node (a full recompute's forward included), else "forward"."""
+    import torch
+
+    return "backward" if torch._C._current_autograd_node() is not None else "forward"
+
+
+GROUP_GETTERS = (("tp", "get_tensor_model_parallel_group"), ("cp", "get_context_parallel_group"),
+                 ("ep", "get_expert_model_parallel_group"), ("etp", "get_expert_tensor_parallel_group"),
+                 ("dp", "get_data_parallel_group"), ("pp", "get_pipeline_model_parallel_group"),
+                 ("tp-cp", "get_tensor_and_context_parallel_group"), ("dp-cp", "get_data_parallel_group_with_cp"),
+                 ("tp-ep", "get_expert_tensor_and_model_parallel_group"), ("embedding", "get_embedding_group"))
+
+
+class GroupNames:
+    """A process group's name in the job (Megatron's parallel state: "tp", "cp", "ep", ...), looked up
+    once per group object; the world's "world", another one "group of N"."""
+
+    def __init__(self):
+        self._names: dict = {}
+
+    def __call__(self, group) -> str:
+        key = id(group)
+        name = self._names.get(key)
+        if name is None:
+            name = self._names[key] = self._lookup(group)
+        return name
+
+    @staticmethod
+    def _lookup(group) -> str:
+        import torch.distributed as dist
+
+        if group is None or group is dist.GroupMember.WORLD:
+            return "world"
+        state = sys.modules.get("megatron.core.parallel_state")
+        for name, getter in GROUP_GETTERS if state is not None else ():
+            try:
+                if getattr(state, getter)() is group:
+                    return name
+            except Exception:  # noqa: BLE001 - a getter this release lacks or an uninitialised group
+                continue
+        try:
+            return f"group of {dist.get_world_size(group)}"
+        except Exception:  # noqa: BLE001
+            return "group"

@@ -1,0 +1,177 @@
+"""One job's meter: the measured steps, their records resolved and summed, and what is said of them.
+
+A step ends at an optimizer step (``torch.optim``'s global post hook; the inner optimizers of
+Megatron's chained optimizer step back to back with no module forward between them: one step).
+Steps count from 1. A measured step's records are summed at its end, or, on a device, once its
+events have completed (a later step's end; at exit after one synchronisation): never a host sync
+on the training's path. Said: the first measured step's line per wing (rank 0; every rank at debug),
+a line every ``COC_MEASURE_EVERY`` measured steps, the warnings; kept: the first step, the sum of all
+measured steps and a compact row per step for COC_REPORT; written: the trace's steps (trace.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from coc_inject import log, meter, trial
+from coc_inject.measure import advice, attribution, clocks, records
+from coc_inject.measure.layers import Layers
+
+PER_STEP_KEPT = 1000  # compact rows in the report; the sums cover every measured step
+
+
+def in_range(step: int, steps) -> bool:
+    return steps is not None and step >= steps[0] and (steps[1] is None or step <= steps[1])
+
+
+class Exposure:
+    def __init__(self, config, rank: int = 0):
+        self.config, self.rank = config, rank
+        self.layers = Layers()
+        self.group_name = attribution.GroupNames()
+        self.step = 1
+        self.recording = self._measured(1)
+        self._records: list = []
+        self._begin = meter.now()
+        self._forwards_at_boundary = 0
+        self._device_clock = None
+        self._pending: list = []  # (step, records, begin, end) waiting for their device events
+        self.first = None  # the first measured step's sums
+        self.total = None  # every measured step's sums
+        self._window: list = []  # the last COC_MEASURE_EVERY steps' sums
+        self.per_step: list = []
+        self.warnings: list = []
+        self.traced: list = []  # paths of the trace files written
+        self._step_hook = None
+
+    # -- the hot path -------------------------------------------------------------------------
+
+    def paused(self) -> bool:
+        return trial.active()  # auto's trials are not the job's communication
+
+    def clock_for(self, device_type: str, record):
+        module = clocks.device_module(device_type)
+        if module is None:
+            return None
+        if self._device_clock is None:
+            self._device_clock = clocks.DeviceClock(module)
+        if self._device_clock.anchor_event is None:
+            self._device_clock.anchor()
+        return self._device_clock
+
+    def clock_of(self, record):
+        return self._device_clock if record.marks is not None else None
+
+    def add(self, record) -> None:
+        self._records.append(record)
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _measured(self, step: int) -> bool:
+        return in_range(step, self.config.measure) or (self.config.trace_dir is not None
+                                                       and in_range(step, self.config.trace_steps))
+
+    def arm(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.layers.install()
+        self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    def disarm(self) -> None:
+        self.layers.uninstall()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+
+    def _on_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self.layers.forwards == self._forwards_at_boundary:
+            return  # another optimizer of the same step (Megatron's chained optimizer)
+        self._forwards_at_boundary = self.layers.forwards
+        self.end_step()
+
+    def end_step(self) -> None:
+        end = meter.now()
+        if self.recording:
+            self._pending.append((self.step, self._records, self._begin, end, self._device_clock))
+        self._records, self._begin = [], end
+        if self._device_clock is not None:
+            self._device_clock = clocks.DeviceClock(self._device_clock.module)  # the next step's anchor
+        self.step += 1
+        self.recording = self._measured(self.step)
+        self._resolve(wait=False)
+
+    def finish(self) -> None:
+        """At exit: the step in progress is not a step; the pending ones are resolved (one sync)."""
+        if self._pending and self._pending[-1][4] is not None:
+            self._pending[-1][4].module.synchronize()
+        self._resolve(wait=True)
+
+    def _resolve(self, wait: bool) -> None:
+        while self._pending:
+            step, collectives, begin, end, clock = self._pending[0]
+            if clock is not None and not all(r.marks is None or clocks.resolve(r, clock) for r in collectives):
+                if not wait:
+                    return
+                unresolved = sum(r.marks is not None for r in collectives)
+                collectives = [r for r in collectives if r.marks is None]
+                log.logger.warning("COC_MEASURE: %d collectives of step %d never completed on the device; left out",
+                                   unresolved, step)
+            self._pending.pop(0)
+            self._step_done(step, collectives, begin, end)
+
+    def _step_done(self, step, collectives, begin, end) -> None:
+        if step == 1 and collectives:
+            begin = min(begin, min(r.issued for r in collectives))
+        summary = records.summarize(collectives, end - begin)
+        if self.config.trace_dir is not None and in_range(step, self.config.trace_steps):
+            from coc_inject.measure import trace
+
+            path = trace.write(self.config.trace_dir, self.rank, step, begin, end, collectives,
+                               records.communication_times(collectives), self.layers.names())
+            if path is not None:
+                self.traced.append(path)
+        if not in_range(step, self.config.measure):
+            return
+        self.total = records.merged([self.total, summary] if self.total is not None else [summary])
+        if len(self.per_step) < PER_STEP_KEPT:
+            self.per_step.append({"step": step, "step_s": summary["step_s"], "total": summary["total"],
+                                  "wings": summary["wings"]})
+        if self.first is None:
+            self.first = dict(summary, step=step)
+            self._say(f"step {step}", summary)
+            self.warnings = advice.warnings(self.config, summary, step)
+            for line in self.warnings:
+                log.logger.warning("%s", line)
+        every = self.config.measure_every
+        if every:
+            self._window.append(summary)
+            if len(self._window) == every:
+                self._say(f"steps {step - every + 1}-{step}", records.merged(self._window))
+                self._window = []
+
+    def _say(self, what: str, summary: dict) -> None:
+        level = logging.INFO if log.global_rank() == 0 else logging.DEBUG
+        log.logger.log(level, "%s", advice.line(what, summary))
+
+    # -- the report ---------------------------------------------------------------------------
+
+    def report(self) -> dict:
+        names = self.layers.names()
+        return {
+            "clock": "host" if self._device_clock is None else f"{self._device_clock.module.__name__} events",
+            "measured_steps": self.config.measure and list(self.config.measure),
+            "first_step": _named(self.first, names),
+            "total": _named(self.total, names),
+            "per_step": self.per_step,
+            "warnings": self.warnings,
+            "traces": self.traced,
+        }
+
+
+def _named(summary, names: dict):
+    """A summary with its layer keys ``(id, phase, wing)`` written as text: "<layer> | <phase> | <wing>"."""
+    if summary is None:
+        return None
+    layers = {f"{names.get(layer, '(no layer)') if layer is not None else '(no layer)'} | {phase} | {wing}": row
+              for (layer, phase, wing), row in summary["layers"].items()}
+    return dict(summary, layers=layers)

@@ -1,0 +1,58 @@
+"""install() of the meter (COC_MEASURE, COC_TRACE), and its post-import hook (registered by
+bootstrap) on ``megatron.core.tensor_parallel.layers``: by then Megatron's mappings have bound their
+aliases of the collectives, which are wrapped with torch.distributed's. Into the job's installation:
+``job.uninstall()`` puts every collective back and removes the meter's hooks.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from coc_inject import dist_interception, job, log
+from coc_inject.measure import metered
+from coc_inject.measure.exposure import Exposure
+
+
+def armed(config) -> bool:
+    return not config.disabled and (config.measure is not None or config.trace_dir is not None)
+
+
+def install(config) -> Exposure:
+    """The meter for ``config`` in the job's installation (tests, bench: the hook does it in a job)."""
+    return _install(job.installation(config), None)
+
+
+def _install(installation, module=None) -> Exposure:
+    if getattr(installation, "exposure", None) is not None:
+        return installation.exposure
+    exposure = Exposure(installation.config, log.global_rank())
+    dist_interception.patch_all(lambda name, original: metered.wrapper(exposure, name, original), installation.patches)
+    exposure.arm()
+    installation.exposure = exposure
+    installation.armed_coverage().communication = lambda: (exposure.finish(), exposure.report())[1]
+    atexit.register(exposure.finish)
+
+    def undo():
+        exposure.disarm()
+        atexit.unregister(exposure.finish)
+        installation.exposure = None
+
+    installation.undo.append(undo)
+    return exposure
+
+
+def banner(config) -> str:
+    what = []
+    if config.measure is not None:
+        what.append(f"steps {_steps(config.measure)}")
+    if config.trace_dir is not None:
+        what.append(f"trace of steps {_steps(config.trace_steps)} into {config.trace_dir}")
+    return "coc-inject: measuring exposed communication per wing (" + "; ".join(what) + ")"
+
+
+def _steps(steps) -> str:
+    first, last = steps
+    return f"{first}-" if last is None else str(first) if first == last else f"{first}-{last}"
+
+
+on_layers_imported = job.wing_hook(armed, _install, banner)

@@ -1,0 +1,132 @@
+"""The measuring wrappers of ``torch.distributed``'s collectives, and the handle whose waits they time.
+
+A wrapper makes one :class:`~coc_inject.measure.records.Collective` per call while a measured step
+runs (otherwise it only calls through): its bytes, who issued it (attribution.py), its layer
+(layers.py) and phase, when it was issued; a synchronous call is waited for where it is made (the
+whole call: on CPU the rank is blocked; on a device the compute stream waits at once); an
+asynchronous one returns a :class:`MeteredWork` whose ``wait()`` is timed. On the host, gloo's future
+tells when the network finished. Under ``torch.profiler`` each issue and wait is also a
+``record_function`` range named ``coc::<wing>::<op>``.
+"""
+
+from __future__ import annotations
+
+from coc_inject import meter
+from coc_inject.measure import attribution, clocks
+from coc_inject.measure.records import Collective
+
+
+def _tensors(args, kwargs):
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+                elif hasattr(item, "tensor"):  # a P2POp
+                    yield item.tensor
+
+
+def _group(name, args, kwargs):
+    if "group" in kwargs:
+        return kwargs["group"]
+    if name == "batch_isend_irecv" and args and args[0]:
+        return getattr(args[0][0], "group", None)
+    return None
+
+
+def _profiled(name: str):
+    import torch
+
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return None
+
+
+class MeteredWork:
+    """A collective's handle: ``wait()`` timed into its record; anything else is the handle's."""
+
+    def __init__(self, work, record, exposure):
+        self._work, self._record, self._exposure = work, record, exposure
+
+    def wait(self, *args, **kwargs):
+        record, clock = self._record, self._exposure.clock_of(self._record)
+        profiled = _profiled(f"coc::{record.wing}::{record.op}::wait")
+        if profiled is not None:
+            profiled.__enter__()
+        begin = meter.now() if clock is None else clock.mark()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            end = meter.now() if clock is None else clock.mark()
+            (record.waits if clock is None else record.marks[1]).append((begin, end))
+            if profiled is not None:
+                profiled.__exit__(None, None, None)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def wrapper(exposure, name: str, original):
+    """``original`` (a torch.distributed collective) measured into ``exposure`` while it records."""
+
+    def metered(*args, **kwargs):
+        if not exposure.recording or exposure.paused():
+            return original(*args, **kwargs)
+        tensors = list(_tensors(args, kwargs))
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        device = tensors[0].device.type if tensors else "cpu"
+        wing = attribution.issuer()
+        phase = attribution.phase()
+        record = Collective(wing, name, exposure.group_name(_group(name, args, kwargs)), nbytes,
+                            exposure.layers.current(phase == "backward"), phase, None)
+        clock = exposure.clock_for(device, record)
+        profiled = _profiled(f"coc::{wing}::{name}")
+        if profiled is not None:
+            profiled.__enter__()
+        try:
+            if clock is None:
+                record.issued = meter.now()
+                result = original(*args, **kwargs)
+            else:
+                record.marks = (clock.mark(), [], None)
+                result = original(*args, **kwargs)
+        finally:
+            if profiled is not None:
+                profiled.__exit__(None, None, None)
+        exposure.add(record)
+        asynchronous = kwargs.get("async_op", False) or name == "batch_isend_irecv"
+        if not asynchronous:  # waited for in the call
+            if clock is None:
+                end = meter.now()
+                record.waits.append((record.issued, end))
+                record.done = end
+            else:
+                record.marks[1].append((record.marks[0], clock.mark()))
+            return result
+        if name == "batch_isend_irecv":
+            return [MeteredWork(work, record, exposure) for work in result]
+        if result is None:
+            return result
+        if clock is None:
+            _when_done(result, record)
+        return MeteredWork(result, record, exposure)
+
+    metered.__wrapped__ = original
+    metered.__name__ = getattr(original, "__name__", name)
+    return metered
+
+
+def _when_done(work, record) -> None:
+    try:
+        future = work.get_future()
+    except (RuntimeError, AttributeError):  # a backend without futures: done = the last wait's end
+        return
+
+    def finished(_):
+        record.done = meter.now()
+
+    future.add_done_callback(finished)
