@@ -24,6 +24,10 @@ import torch.distributed as dist
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
                "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single", "all_to_all", "broadcast",
                "batch_isend_irecv")
+# torch 2.13's single-tensor forms, which coc-inject's chunked pipeline prefers where they exist
+# (pipeline/collectives.py): the meter and the compute-only twin replace them too.
+SINGLE_TENSOR = ("all_gather_single", "reduce_scatter_single")
+EVERY_COLLECTIVE = COLLECTIVES + SINGLE_TENSOR
 # Megatron binds these at import: module -> names holding a torch.distributed collective.
 MEGATRON_ALIASES = {
     "megatron.core.tensor_parallel.mappings": ("dist_all_gather_func", "dist_reduce_scatter_func"),
@@ -62,7 +66,7 @@ def replaced(make, names=COLLECTIVES):
             setattr(owner, name, original)
 
 
-def patch_all(make, patches, names=COLLECTIVES) -> None:
+def patch_all(make, patches, names=EVERY_COLLECTIVE) -> None:
     """For a whole job: each collective in ``names`` replaced by ``make(name, what_was_there)`` (None:
     left as it is), in torch.distributed and in the Megatron aliases already imported, through
     ``patches`` (coc_inject.patches.Patches: undone by its restore). COC_MEASURE's meter."""

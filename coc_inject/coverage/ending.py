@@ -2,7 +2,7 @@
 
 * the **first-step summary**: one line on global rank 0 (every rank at debug level) when the
   first ``torch.optim.Optimizer.step()`` of the process ends (a global optimizer step hook,
-  removed once it fired), with the warnings; a process that never steps an optimizer
+  a no-op once it fired, removed at disarm), with the warnings; a process that never steps an optimizer
   (inference) gets it at exit, unless it ends by an exception or SIGTERM before any patched
   layer call (then there is nothing to summarise; the report's ``ended_by`` says so);
 * the **report file** (``COC_REPORT``), written at exit, after an uncaught exception and on
@@ -79,7 +79,8 @@ class ProcessEnd:
             if self.summarized:
                 return
             self.summarized = True
-        self._remove_step_hook()
+        # The hook stays (a no-op from now on) until disarm(): removing it while torch iterates over the
+        # global step hooks would break that iteration for any hook after it (COC_MEASURE's, a user's).
         coverage = self.coverage
         coverage.inspect_model()
         rank = log.global_rank()

@@ -120,9 +120,10 @@ class Exposure:
             self._step_done(step, collectives, begin, end)
 
     def _step_done(self, step, collectives, begin, end) -> None:
-        if step == 1 and collectives:
-            begin = min(begin, min(r.issued for r in collectives))
+        if step == 1 and collectives:  # from the first collective: not the model's construction before it
+            begin = min(r.issued for r in collectives)
         summary = records.summarize(collectives, end - begin)
+        self.layers.names()  # while the model is alive
         if self.config.trace_dir is not None and in_range(step, self.config.trace_steps):
             from coc_inject.measure import trace
 

@@ -26,6 +26,8 @@ class Layers:
         self._handles = []
         self.modules: dict = {}  # id -> weakref to the module
         self.forwards = 0  # module calls seen: a step has run a forward since the last optimizer step
+        self._named: dict = {}  # id -> name, kept: at exit the model may be gone
+        self._looked_up = 0  # modules seen at the last lookup
 
     def install(self) -> None:
         from torch.nn.modules import module
@@ -41,11 +43,14 @@ class Layers:
     def _pre(self, module, args) -> None:
         self.forwards += 1
         key = id(module)
-        if key not in self.modules:
+        known = self.modules.get(key)
+        if known is None or known() is not module:  # new, or a dead module's id reused
             try:
                 self.modules[key] = weakref.ref(module)
             except TypeError:
                 return
+            self._named.pop(key, None)
+            self._looked_up = min(self._looked_up, len(self.modules) - 1)
         _stack.set(_stack.get() + (key,))
 
     def _post(self, module, args, output) -> None:
@@ -66,7 +71,14 @@ class Layers:
         return stack[-1] if stack else None
 
     def names(self) -> dict:
-        """id -> qualified module name ("decoder.layers.0.mlp.linear_fc1"), of the modules alive now."""
+        """id -> qualified module name ("decoder.layers.0.mlp.linear_fc1"): looked up again (one pass over
+        the live objects) only when modules were seen since the last time."""
+        if self._looked_up < len(self.modules):
+            self._looked_up = len(self.modules)
+            self._named.update(self._lookup())
+        return self._named
+
+    def _lookup(self) -> dict:
         import gc
 
         import torch

@@ -144,6 +144,6 @@ def no_collectives(only=None):
         return call
 
     names = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-             "_reduce_scatter_base", "all_gather", "all_to_all_single")
+             "_reduce_scatter_base", "all_gather", "all_to_all_single", *dist_interception.SINGLE_TENSOR)
     return dist_interception.replaced(
         lambda name, original: no_op(original, name != "all_reduce") if only is None or name in only else None, names)

@@ -356,3 +356,24 @@ def test_flash_attention_that_never_ran_is_warned_about():
     assert not any("COC_FLASH_ATTN" in line for line in accounting.warnings())
     assert accounting.attention_summary() == ("fused attention on 1 layers (Megatron's attention for: a padding mask; "
                                             "kernel cpu-flash): 2 calls")
+
+
+def test_a_step_hook_registered_after_the_coverage_still_runs(tmp_path, monkeypatch):
+    # The first-step summary once removed its global optimizer hook from inside the hook: torch then
+    # failed the iteration over the global hooks ("OrderedDict mutated during iteration") for any hook
+    # registered after it (COC_MEASURE's step cut, a user's).
+    monkeypatch.setenv("RANK", "0")
+    cov = _coverage(tmp_path, None)
+    cov.arm()
+    seen = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    after = register_optimizer_step_post_hook(lambda *args: seen.append(1))
+    try:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+        optimizer.step()
+        optimizer.step()
+    finally:
+        after.remove()
+        cov.disarm()
+    assert cov.ending.summarized and seen == [1, 1]
