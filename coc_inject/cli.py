@@ -8,7 +8,10 @@
   (like ``ddtrace-run``); the optional first word sets the toggles as ``env/coc.sh`` does.
 * ``env [N|auto|fused|off]``: print the shell exports, for ``eval "$(coc-inject env 4)"``.
 * ``reference``: the environment-variable and config-file reference as markdown tables.
-* ``report PATH ...``: the ``COC_REPORT`` files of a job as tables (per layer: route, chunks, calls, reason).
+* ``report PATH ...``: the ``COC_REPORT`` files of a job as tables (per layer: route, chunks, calls, reason)
+  and, where the job measured (COC_MEASURE), its communication per wing, collective and layer; two
+  reports (off, on) side by side; ``--plot`` one step's timeline per rank from COC_TRACE's traces
+  (coc_inject.report_view).
 * ``bench [...]``: CoC vs unpatched Megatron timings (coc_inject.bench.run).
 * ``tune [...]``: ``COC_PARALLEL_NUM=auto``'s (and with ``--cp``, ``COC_CP_ALGO=auto``'s) decisions for
   given shapes / model dimensions, made ahead of a job into the tune cache, and the equivalent fixed
@@ -274,17 +277,9 @@ def report_table(reports: list) -> str:
 
 
 def cmd_report(args) -> int:
-    import json
+    from coc_inject.report_view import command
 
-    reports = []
-    for path in args.paths:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                reports.append((path, json.load(handle)))
-        except (OSError, ValueError) as error:
-            raise SystemExit(f"coc-inject report: cannot read {path}: {error}") from None
-    print(report_table(reports))
-    return 0
+    return command.run(args, report_table)
 
 
 def cmd_reference(args) -> int:
@@ -304,8 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
     env.add_argument("mode", nargs="?", help="N (chunk count) | auto | fused | off")
     env.set_defaults(func=cmd_env)
     commands.add_parser("reference", help="print the variable reference (markdown)").set_defaults(func=cmd_reference)
-    report = commands.add_parser("report", help="print COC_REPORT files as tables")
-    report.add_argument("paths", nargs="+", metavar="PATH", help="report files written by COC_REPORT")
+    report = commands.add_parser("report", help="print COC_REPORT files as tables (routes, communication), two side "
+                                 "by side, or --plot COC_TRACE's timelines")
+    from coc_inject.report_view import command as report_command
+
+    report_command.add_arguments(report)
     report.set_defaults(func=cmd_report)
     # Parsed by coc_inject.bench.run itself (see main()); listed here for --help.
     commands.add_parser("bench", help="benchmark CoC vs unpatched Megatron (coc-inject bench -h)")
