@@ -4,7 +4,7 @@ The collectives are fakes with the signature of torch.distributed's (``fake(*ten
 async_op=False)``), wrapped by the meter's own ``metered.wrapper``: a fake network runs each one for
 a known duration (collectives on one group queue behind each other) and completes its work's real
 ``torch.futures.Future`` at the true end, which it notes. Times are only ever compared with those
-known sleeps (100 ms, generous: the machine is shared) within a tolerance. Then: steps cut at the
+known sleeps (400 ms, generous: the machine is shared) within a tolerance. Then: steps cut at the
 optimizer step, auto's trials left out, the warnings, the installation's undo, and the device
 event path against tests/fakes/device_events.py.
 """
@@ -25,7 +25,7 @@ from coc_inject.measure import advice, clocks, metered
 from coc_inject.measure.exposure import Exposure
 from fakes.device_events import FakeDevice
 
-D = 0.200  # a collective's time on the fake network, seconds (long: the machine is shared)
+D = 0.400  # a collective's time on the fake network, seconds (long: the machine is shared, threads wake late)
 TOLERANCE = 0.10  # of D
 
 
@@ -124,9 +124,13 @@ def one_step(exposure):
 def test_waited_for_at_once_is_fully_exposed(measured):
     exposure, network = measured(), FakeNetwork()
     all_reduce = metered.wrapper(exposure, "all_reduce", network.collective("all_reduce"))
-    all_reduce(torch.zeros(4), async_op=True).wait()
+    work = all_reduce(torch.zeros(4), async_op=True)
+    issued = meter.now()
+    work.wait()
+    waited = meter.now()
     exposure.end_step()
     (_, _, start, end), total = network.spans[0], exposure.first["total"]
+    assert total["exposed_s"] <= waited - issued  # the wait, nothing more
     assert end - start >= D  # the fake ran as long as asked, at least (a loaded machine: later)
     assert total["collectives"] == 1 and total["bytes"] == 16
     assert close(total["exposed_s"], end - start) and close(total["communication_s"], end - start)
@@ -301,7 +305,7 @@ def test_a_wing_hiding_less_than_the_threshold_is_warned_about(measured, said, m
     engine = _issued_by("coc_inject.linears.engine_of_the_test")
     model.step(lambda tensor: engine(all_reduce, tensor, async_op=True).wait())  # waited for at once
     row = exposure.first["wings"]["linears"]
-    assert row["hidden_pct"] < 50 and row["exposed_s"] >= D
+    assert row["hidden_pct"] < 50 and row["exposed_s"] >= (1 - TOLERANCE) * D
     (warning,) = exposure.warnings
     assert warning.startswith("COC_MEASURE: linears hid ") and "COC_MEASURE_WARN=50" in warning
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in warning  # not on CUDA
