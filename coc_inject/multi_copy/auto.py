@@ -68,12 +68,13 @@ class CopiesKey:
 AUTO_COPIES = (2, 4)
 
 
-def candidates(copies: int, copies_auto: bool, linears_auto: bool, rows: int) -> list:
+def candidates(copies: int, copies_auto: bool, linears_auto: bool, rows: int, most: int | None = None) -> list:
     """What the trials compare, the baseline first. COC_MULTI_COPY=auto: no copies, 2 or 4 copies
-    (the linears as set); a fixed count with COC_PARALLEL_NUM=auto: the copies with CoC's chunks or
-    with Megatron's linears; a fixed count otherwise: nothing to try."""
+    (those dividing ``rows``, at ``most`` copies where the split has a limit; the linears as set); a
+    fixed count with COC_PARALLEL_NUM=auto: the copies with CoC's chunks or with Megatron's linears; a
+    fixed count otherwise: nothing to try."""
     if copies_auto:
-        return [1] + [n for n in AUTO_COPIES if rows % n == 0]
+        return [1] + [n for n in AUTO_COPIES if rows % n == 0 and (most is None or n <= most)]
     return [copies] + ([unchunked(copies)] if linears_auto else [])
 
 

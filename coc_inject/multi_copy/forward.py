@@ -45,7 +45,7 @@ class MultiCopy:
         reason = copies_moe.call_reason(block, arguments)
         if reason is not None:
             return reason, None
-        choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.rows)
+        choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.rows, split.most)
         if len(choices) > 1:
             split = auto.choose(self.installation.tuner(job.MULTI_COPY), block, original, arguments, split, choices)
         return (AUTO_STEPPED_ASIDE, None) if split is None else (split, arguments)

@@ -18,7 +18,9 @@ for the call, removed after):
 * any other mask that hides every later position (padding): Megatron's own attention on the copy's
   queries against the earlier copies' keys and values and its own, concatenated, with the mask's rows
   of the copy's positions and columns up to its last;
-* no fused kernel for the call (device, dtype, head dim): the same as a mask, Megatron's attention.
+* no fused kernel for the call (device, dtype, head dim): the same as a mask, Megatron's attention;
+* context parallelism (CP > 1): the layer's CP algorithm in each copy, over the keys and values of
+  every copy so far (meeting_cp.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from coc_inject import attention_kernels, copy_context
 from coc_inject.attention_kernels import merge
+from coc_inject.multi_copy import meeting_cp
 
 
 def _to_kernel(t: torch.Tensor) -> torch.Tensor:
@@ -121,6 +124,12 @@ class Meeting:
                 raise RuntimeError(f"multi-copy: copy {copy} reached an attention before copy {j} had run it: the "
                                    "copies' turns are not in order")
             earlier.append(found)
+        plan = getattr(layer, "_coc_cp", None)
+        if plan is not None and not plan.local:  # CP > 1: the layer's CP algorithm in each copy (meeting_cp.py)
+            key, value = meeting_cp.repeated(plan, key, value)
+            if copy + 1 < self.copies:
+                self.published[(id(layer), copy)] = (key, value, None, None)
+            return meeting_cp.attend(plan, layer, copy, query, key, value, [e[:2] for e in earlier])
         kernel = self._kernel(query) if self.mask in (None, "causal") else None
         mine = (key, value) + ((_to_kernel(key), _to_kernel(value)) if kernel is not None else (None, None))
         if copy + 1 < self.copies:

@@ -35,8 +35,7 @@ def reason(block, batch: int, rows: int, copies: int, arguments: dict, seq: int)
     hidden states, ``seq``: the whole sequence), or None."""
     config = block.config
     why = f"micro-batch {batch} is not divisible by {copies} copies, and sequence copies cannot run: "
-    if getattr(config, "context_parallel_size", 1) > 1:
-        return why + f"context parallelism (CP {config.context_parallel_size}) is not built for sequence copies"
+    cp = getattr(config, "context_parallel_size", 1) > 1
     if getattr(config, "recompute_granularity", None) is not None:
         return why + (f"{config.recompute_granularity} recompute (the recomputed attention would not reach the "
                       "earlier copies' keys)")
@@ -67,6 +66,11 @@ def reason(block, batch: int, rows: int, copies: int, arguments: dict, seq: int)
     if rotary is not None and (not isinstance(rotary, torch.Tensor) or rotary.shape[0] != seq):
         return why + f"rotary embeddings not of one tensor of {seq} rows"
     mask = arguments.get("attention_mask")
+    if cp:  # each copy's attention runs the layer's CP algorithm (meeting_cp.py), which checks the mask
+        from coc_inject.multi_copy import meeting_cp
+
+        found = meeting_cp.reason(block, copies, arguments, seq)
+        return None if found is None else why + found
     if mask is not None:
         kind = mask_kind(mask, seq)
         if kind not in ("causal", "general"):

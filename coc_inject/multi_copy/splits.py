@@ -31,7 +31,8 @@ REFUSED = {"inference_context": "inference", "inference_params": "inference", "s
 
 # What runs Megatron's block instead, in short (coc-inject status; each reason in full: block_reason, plan).
 WITHOUT_COPIES = ("a micro-batch not divisible by the copies whose sequence cannot split either (context "
-                  "parallelism, recompute, a mask that lets a position see a later one, another attention)",
+                  "parallelism with COC_CP_ALGO=auto or more than 2 copies, recompute, a mask that lets a position "
+                  "see a later one, another attention)",
                   "dropout > 0",
                   "MoE layers with global_aux_loss, a capacity factor, sinkhorn routing, the batch aux_loss under "
                   "recompute or a padding mask", "packed sequences",
@@ -51,6 +52,7 @@ class Split:
     kind: str = BATCH
     mask: str | None = None  # SEQUENCE: the mask tensor's kind (sequence.mask_kind), None without one
     group: object = field(default=None, compare=False)  # SEQUENCE with SP: the TP group the rows cross
+    most: int | None = None  # the most copies this split can run (SEQUENCE with CP > 1: 2), None: any
 
     @property
     def sizes(self) -> list:
@@ -126,8 +128,9 @@ def _sequence_split(block, copies: int, arguments: dict, hidden) -> Split | str:
 
         group = parallel_state.get_tensor_model_parallel_group()
     mask = arguments.get("attention_mask")
-    return Split(copies, rows, (), kind=SEQUENCE, group=group,
-                 mask=None if mask is None else sequence.mask_kind(mask, seq))
+    cp = getattr(config, "context_parallel_size", 1) > 1  # CP: a causal mask (meeting_cp.reason), 2 copies at most
+    return Split(copies, rows, (), kind=SEQUENCE, group=group, most=2 if cp else None,
+                 mask=None if mask is None else "causal" if cp else sequence.mask_kind(mask, seq))
 
 
 def _plain(value) -> bool:

@@ -386,3 +386,24 @@ def train_ddp(copies=2, steps=2, b=4, seq=32):
         job.uninstall()
         streams.__exit__(None, None, None)
     return {"losses": losses, "grads": grads, "routes": routes}
+
+
+def train_cp_copies(**kwargs):
+    """train() at CP > 1, with the sequence copies' CP attention calls (meeting_cp.attend) counted by
+    algorithm as ``cp_copy_calls``."""
+    from coc_inject.multi_copy import meeting_cp
+
+    attend, calls = meeting_cp.attend, {}
+
+    def counting(plan, *args, **more):
+        name = plan.variants[0].describe()
+        calls[name] = calls.get(name, 0) + 1
+        return attend(plan, *args, **more)
+
+    meeting_cp.attend = counting
+    try:
+        result = train(**kwargs)
+    finally:
+        meeting_cp.attend = attend
+    result["cp_copy_calls"] = calls
+    return result

@@ -2,8 +2,9 @@
 first positions; the copies meet in the attention) on a real megatron-core GPT, 4 gloo ranks: the
 same training as without copies (losses and parameters after 3 SGD steps within 1e-5 relative, fp32),
 every collective in the same order on every rank, and the calls sequence copies cannot run exactly
-run Megatron's block with the reason. On 0.16.1 and 0.13.1 (TEST_SCOPE=older-release): micro-batch 1 with
-SP, and a causal mask tensor with RoPE and GQA (Megatron's attention, rotary and mask APIs of each release)."""
+run Megatron's block with the reason; at CP > 1 each copy's attention runs the layer's CP algorithm. On
+0.16.1 and 0.13.1 (TEST_SCOPE=older-release): micro-batch 1 with SP, a causal mask tensor with RoPE and
+GQA (Megatron's attention, rotary and mask APIs of each release), and CP 2 x TP 2 SP under Ulysses."""
 
 import pytest
 
@@ -116,3 +117,86 @@ def test_auto_keys_a_decision_by_its_split_so_a_cached_one_serves_only_that_spli
     TuneCache(path).put(TuneCache.key(keys[SEQUENCE], "elsewhere"), 4, {1: 1.0, 4: 0.5})
     assert TuneCache(path).get(TuneCache.key(keys[BATCH], "host")) == 2  # read back from the file
     assert TuneCache(path).get(TuneCache.key(keys[SEQUENCE], "host")) is None
+
+
+# Context parallelism (CP > 1): each copy's attention runs the layer's CP algorithm (meeting_cp.py); copy 0
+# holds each CP rank's first chunk (the sequence's first half), copy 1 its second.
+
+def run_cp(pool, coc, want_routes=((2, None),), record=False, poison=False, **kwargs):
+    """Sequence copies at CP > 1 against the same model without copies; ``cp_copy_calls``: 3 steps x 2
+    layers x 2 copies through the CP algorithm where the copies ran."""
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_cp_copies", copies=2, coc=coc, record=record,
+                   poison=poison, **kwargs)
+    assert all(r["routes"] == [tuple(route) for route in want_routes] for r in got), [r["routes"] for r in got]
+    copies_ran = want_routes[0][0] == 2
+    assert all(sum(r["cp_copy_calls"].values()) == (3 * 2 * 2 if copies_ran else 0) for r in got), \
+        [r["cp_copy_calls"] for r in got]
+    assert_same_training(got, reference(pool, coc=coc, **kwargs))
+    return got
+
+
+@pytest.mark.parametrize("algorithm", ["ulysses", pytest.param("allgather", marks=newest_only),
+                                       pytest.param("ring", marks=newest_only)])
+@pytest.mark.parametrize("sp", [True, pytest.param(False, marks=newest_only)], ids=["sp", "no-sp"])
+def test_cp2_tp2_micro_batch_1_each_copy_runs_the_cp_algorithm(pool, algorithm, sp):
+    """CP 2 x TP 2, micro-batch 1, causal (no mask tensor), RoPE, GQA (Ulysses repeats the K/V groups).
+    On 0.16.1 and 0.13.1 too: Ulysses with SP."""
+    got = run_cp(pool, {"cp_algo": algorithm}, tp=2, cp=2, sp=sp, b=1, mask="none", rope=True, groups=2)
+    assert all(r["cp_copy_calls"] == {algorithm: 12} for r in got), [r["cp_copy_calls"] for r in got]
+
+
+@newest_only
+@pytest.mark.parametrize("coc", [{"cp_algo": "hybrid", "cp_ulysses_degree": 2}, {"cp_algo": "ring", "cp_window": 2}],
+                         ids=["hybrid", "double-ring"])
+def test_cp4_hybrid_and_double_ring_with_a_causal_mask_tensor(pool, coc):
+    """CP 4 (hybrid's Ulysses groups of 2 and a ring of 2; Double-Ring's windows of 2) at micro-batch 1
+    with Megatron's causal mask tensor (this rank's rows) and RoPE."""
+    run_cp(pool, coc, tp=1, cp=4, b=1, mask="full", seq=128, rope=True)
+
+
+def _relative(records):
+    """TP 2 x CP 2 in a world of 4: each rank's groups named by their ranks' offsets."""
+    return [(op, ranks if ranks == "world" else tuple(r - min(ranks) for r in ranks), *rest)
+            for op, ranks, *rest in records]
+
+
+@newest_only
+@pytest.mark.parametrize("algorithm", ["ulysses", "ring"])
+def test_cp2_tp2_every_rank_issues_the_same_collectives(pool, algorithm):
+    """Every collective of a CP 2 x TP 2 SP step recorded on every rank (poison on): one order on every
+    rank, the forward in the copies' interleave (each copy's CP collectives included), the backward's
+    deferred collectives alternating copy 0, copy 1 at every cut."""
+    got = run_cp(pool, {"cp_algo": algorithm}, tp=2, cp=2, sp=True, b=1, mask="none", record=True, poison=True)
+    calls, backward = same_block_calls_on_every_rank([dict(r, collectives=_relative(r["collectives"])) for r in got])
+    cp_ops = {"ulysses": "all_to_all_single", "ring": "batch_isend_irecv"}[algorithm]
+    for call in calls:
+        if call not in backward:
+            assert call == interleaved(call), call
+            mine = [r[3] for r in call if r[0] == cp_ops and r[1] in ((0, 2), "world")]
+            assert mine.count(0) == mine.count(1) >= 2, call  # each copy's attention over the CP group
+    for call in backward:
+        assert [r[3] for r in call if r[4]] == [0, 1] * (2 * 2 * 2), call
+
+
+@newest_only
+@pytest.mark.parametrize("copies,coc,why", [
+    (2, {"cp_algo": "auto"}, "COC_CP_ALGO=auto"),
+    (4, {"cp_algo": "ring"}, "2 copies only"),
+], ids=["cp-auto", "4-copies"])
+def test_cp_what_sequence_copies_cannot_run_runs_megatrons_block_with_the_reason(pool, copies, coc, why):
+    """COC_CP_ALGO=auto (its trials time the whole attention) and 4 copies (Megatron's CP layout holds two
+    chunks a rank): Megatron's block, said with the reason, training as without copies."""
+    got = pool.run("tests.multi_copy.multi_copy_cases:train_cp_copies", copies=copies, coc=coc, tp=2, cp=2, sp=True,
+                   b=1, mask="none", steps=1)
+    assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and why in r["routes"][0][1]
+               and "sequence copies cannot run" in r["routes"][0][1] and r["cp_copy_calls"] == {} for r in got), \
+        [r["routes"] for r in got]
+    assert_same_training(got, reference(pool, coc=coc, tp=2, cp=2, sp=True, b=1, mask="none", steps=1))
+
+
+@newest_only  # coc-inject's own candidates
+def test_auto_tries_at_most_2_sequence_copies_at_cp_above_1():
+    from coc_inject.multi_copy import auto
+
+    assert auto.candidates(2, True, False, rows=8, most=2) == [1, 2]
+    assert auto.candidates(2, True, False, rows=8) == [1, 2, 4]
