@@ -61,7 +61,9 @@ def _resolve(environ, argv_flags, cp_flags) -> tuple[dict, list]:
     for row in table.SETTINGS:
         if row.needs is not None and row.field in values:
             flags = (argv_flags if row.flag_needs_use_ascend_coc else cp_flags) or {}
-            error = refinement_error(row.needs, row.flag if row.field in flags else row.variable, values, row.field)
+            by_flag = row.field in flags
+            error = refinement_error(row.needs, row.flag if by_flag else row.variable, values, row.field,
+                                     None if by_flag else given.get(row.field))
             if error is not None:
                 errors.append(error)
     return values, errors

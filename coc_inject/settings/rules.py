@@ -59,9 +59,10 @@ SWITCHED_ON = {
 }
 
 
-def refinement_error(needs: str, given: str, values: dict, field: str) -> ConfigError | None:
-    """The error for a refinement (``values[field]``, given as ``given``) whose switch is off."""
+def refinement_error(needs: str, given: str, values: dict, field: str, text: str | None = None) -> ConfigError | None:
+    """The error for a refinement (``values[field]``, given as ``given``, its text ``text`` where it was
+    typed: a step range reads as the user wrote it, not as its parsed pair) whose switch is off."""
     switched_on, what_else, reason = SWITCHED_ON[needs]
     if values.get("disabled") or switched_on(values):
         return None
-    return ConfigError(given, values[field], what_else, reason=reason)
+    return ConfigError(given, values[field] if text is None else text, what_else, reason=reason)
