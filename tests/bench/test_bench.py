@@ -80,6 +80,21 @@ def test_link_rejects_more_than_two_ranks():
         link.EmulatedLink("1gbit", ranks=4)
 
 
+def test_compute_only_twin_skips_float_collectives_and_runs_integer_ones(pool2):
+    """link.no_collectives on 2 gloo ranks: a float all_reduce is a no-op (async too: its wait returns at
+    once), a float gather zero-fills; an integer all_reduce still sums, an integer gather and all-to-all
+    still exchange (their results steer control flow); leaving it, collectives run again."""
+    results = pool2.run("bench_cases:compute_only_collectives")
+    for rank, result in enumerate(results):
+        assert result["floats"] == result["waited"] == [float(rank + 1)] * 3
+        assert result["done"] is True
+        assert result["gathered_floats"] == [0.0, 0.0]
+        assert result["integers"] == [3, 3, 3]
+        assert result["gathered_integers"] == [1, 2]
+        assert result["exchanged"] == [rank, 10 + rank]
+        assert result["after"] == [3.0] * 3
+
+
 class _NeverCompletes:
     """A work like gloo's reduce_scatter_single in torch 2.13: no future, is_completed() stays False."""
 
