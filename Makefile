@@ -32,7 +32,7 @@ MOE_SUITES := tests/moe/test_moe.py
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-cp-memory bench-attention bench-attention-link bench-flash device-check clean
+.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-measure bench-cp-memory bench-attention bench-attention-link bench-flash device-check clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -80,6 +80,11 @@ bench-startup: $(VENV)/.installed
 
 bench-accounting: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/accounting.py
+
+# COC_MEASURE's cost on the whole GPT step over the emulated link (with and without the meter, interleaved
+# over $(ROUNDS) rounds) and its exposed time of the off step against off - the compute-only twin (root).
+bench-measure: $(VENV)/.installed
+	$(VENV)/bin/python benchmarks/measure_cost.py --rounds $(ROUNDS)
 
 # The attention kernels against what a user runs instead: block kernel fused vs reference, ring CP=2
 # vs scaled_dot_product_attention in one process (seq 4096, 8192; fp32, bf16), peak memory growth.

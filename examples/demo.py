@@ -41,6 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import demo_exposure
 from demo_moe import moe_part
 from demo_runs import LOSS_BOUND, first_steady, loss_line, run, steady, steady_times, variant_runs
 from launch import ROOT, SITE, clean_env
@@ -60,9 +61,15 @@ def coc_environment(chunks, workdir):
 
 def compare(title, workdir, steps, link, script_args, chunks) -> bool:
     print(f"\n### {title}", flush=True)
-    off = run("CoC off: torchrun, 2 ranks", clean_env(), workdir, steps, link, script_args)
-    on = run(f"CoC on: COC_PARALLEL_NUM={chunks}, same command", coc_environment(chunks, workdir), workdir,
-             steps, link, script_args)
+    # Over the link both measure their communication (COC_MEASURE=1): demo_exposure's closing table.
+    measured = {} if link is None else {"COC_MEASURE": "1"}
+    off_env = clean_env() if link is None else clean_env(
+        PYTHONPATH=str(SITE), COC_REPORT=str(Path(workdir) / "off-report-{rank}.json"), **measured)
+    off = run("CoC off: torchrun, 2 ranks", off_env, workdir, steps, link, script_args)
+    on = run(f"CoC on: COC_PARALLEL_NUM={chunks}, same command", dict(coc_environment(chunks, workdir), **measured),
+             workdir, steps, link, script_args)
+    if link is not None:
+        off["report"], on["report"] = Path(workdir) / "off-report-0.json", Path(workdir) / "coc-report-0.json"
     print(f"\n{'step':>4}  {'loss, CoC off':>16}  {'loss, CoC on':>16}  {'|diff|':>9}  {'ms off':>8}  {'ms on':>8}")
     worst = 0.0
     for step, (a, b, ta, tb) in enumerate(zip(off["losses"], on["losses"], off["step_times"], on["step_times"])):
@@ -307,6 +314,7 @@ def main(argv=None) -> int:
             ok &= copies_runs(f"multi-copy at micro-batch 1 over the emulated {args.link_rate} link (sequence copies: "
                               "the copies split the sequence, copy 0 the first positions)", workdir, link, LINK_STEPS,
                               LINK_MODEL_MB1, args.copies_rounds, MB1_COPIES, {}, MB1_TARGETS)
+            demo_exposure.print_tables()
             return 0 if ok else 1
     if args.part in ("all", "coc"):
         ok &= coc_parts(args)
@@ -320,6 +328,7 @@ def main(argv=None) -> int:
             ok &= cp_link(cp1, args.link_rate, args.cp_steps, args.cp_link_algos.split(","), args.cp_rounds)
     if args.part in ("all", "moe"):
         ok &= moe_parts(args)
+    demo_exposure.print_tables()  # the link parts' exposed communication, last
     return 0 if ok else 1
 
 
@@ -389,9 +398,11 @@ LOOPBACK_AUTO_TARGET = 0.97  # COC_MULTI_COPY=auto on loopback: never slower tha
 
 
 def copies_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets) -> bool:
-    """variant_runs of multi-copy's variants, each run's blocks shown, and both autos against CoC's alone."""
+    """variant_runs of multi-copy's variants, each run's blocks shown, and both autos against CoC's alone; over
+    the link every run measured (demo_exposure)."""
+    measured = None if link is None else demo_exposure.measuring(workdir, link, steps, script_args)
     ok, medians = variant_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets,
-                               show=print_copies)
+                               show=print_copies, measured=measured)
     auto = next((name for name in medians if name.startswith("COC_PARALLEL_NUM=")), None)
     if auto and BOTH_AUTO in medians:
         ratio = medians[auto] / medians[BOTH_AUTO]

@@ -7,6 +7,7 @@ median step times, and what each MoE layer ran (COC_REPORT of rank 0, with auto'
 
 import json
 
+import demo_exposure
 from demo_runs import variant_runs
 
 MOE_MODEL = ["--num-experts", "8", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
@@ -23,8 +24,9 @@ def moe_part(workdir, link, rate, rounds=1) -> bool:
     title = (f"Part 5: MoE, expert parallelism 2 {where}: tiny GPT with 8 experts per MLP (top-4), the "
              "dispatcher's all-to-alls pipelined against the experts in pieces")
     target = {"COC_MOE_OVERLAP=auto": LINK_TARGET if link else LOOPBACK_TARGET}
+    measured = None if link is None else demo_exposure.measuring(workdir, link, MOE_STEPS, MOE_MODEL)
     ok, _ = variant_runs(title, workdir, link, MOE_STEPS, MOE_MODEL, rounds, MOE_VARIANTS, {}, target,
-                         show=print_moe_layers)
+                         show=print_moe_layers, measured=measured)
     return ok
 
 

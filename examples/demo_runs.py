@@ -59,11 +59,14 @@ def loss_line(label, reference, results, against="CP=1") -> bool:
     return worst <= LOSS_BOUND
 
 
-def variant_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets, show=None) -> tuple:
+def variant_runs(title, workdir, link, steps, script_args, rounds, variants, given, targets, show=None,
+                 measured=None) -> tuple:
     """Runs ``variants`` ({name: environment}) ``rounds`` times, interleaved, beside the ``given`` results
     ({name: [results]}, "off" among them or among the variants); prints median step times against off and the targets.
-    ``show(report path, environment)`` prints what each run did (its rank 0 COC_REPORT). Returns
-    (losses equal, median step time per variant)."""
+    ``show(report path, environment)`` prints what each run did (its rank 0 COC_REPORT). ``measured(title,
+    results)``: every run (off too) measures its communication (COC_MEASURE=1), each result's ``report`` its rank
+    0's COC_REPORT, and this is called with them all at the end. Returns (losses equal, median step time per
+    variant)."""
     print(f"\n### {title}", flush=True)
     results = {name: list(runs) for name, runs in given.items()}  # a variant also given: its new runs added
     for name in variants:
@@ -71,11 +74,13 @@ def variant_runs(title, workdir, link, steps, script_args, rounds, variants, giv
     for round_ in range(rounds):
         for index, (name, extra) in enumerate(variants.items()):
             tag = f"run-{index}-{round_}"
-            env = clean_env() if not extra else clean_env(
+            env = clean_env() if not extra and measured is None else clean_env(
                 PYTHONPATH=str(SITE), COC_TUNE_CACHE=str(Path(workdir) / f"tune-{tag}.json"),
-                COC_REPORT=str(Path(workdir) / f"report-{tag}-{{rank}}.json"), **extra)
+                COC_REPORT=str(Path(workdir) / f"report-{tag}-{{rank}}.json"),
+                **({"COC_MEASURE": "1"} if measured is not None else {}), **extra)
             results[name].append(run(f"{name}: same command" + (" over the link" if link else ""), env, workdir,
                                      steps, link, script_args, name=tag))
+            results[name][-1]["report"] = Path(workdir) / f"report-{tag}-0.json"
             if show is not None and extra:
                 show(Path(workdir) / f"report-{tag}-0.json", extra)
     medians = {name: statistics.median(steady(r) for r in runs) for name, runs in results.items()}
@@ -89,4 +94,6 @@ def variant_runs(title, workdir, link, steps, script_args, rounds, variants, giv
     for name in variants:
         if name != "off":
             ok &= loss_line(name, results["off"][0], results[name], against="off")
+    if measured is not None:
+        measured(title, results)
     return ok, medians

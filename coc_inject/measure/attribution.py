@@ -18,8 +18,8 @@ WINGS = (("coc_inject.linears", "linears"), ("coc_inject.pipeline", "linears"),
          ("coc_inject.moe", "moe"), ("coc_inject.multi_copy", "multi_copy"))
 PASSED_OVER = ("coc_inject.measure", "coc_inject.dist_interception", "coc_inject.multi_copy.collectives",
                "coc_inject.testbed", "torch.")
-MEGATRON = (("megatron.core.tensor_parallel", "megatron tensor-parallel"),
-            ("megatron.core.transformer.moe", "megatron moe"),
+MEGATRON = (("megatron.core.transformer.moe", "megatron moe"),
+            ("megatron.core.tensor_parallel", "megatron tensor-parallel"),
             ("megatron.core.distributed", "megatron data-parallel"),
             ("megatron.core.optimizer", "megatron optimizer"),
             ("megatron.core.pipeline_parallel", "megatron pipeline"),
@@ -29,22 +29,29 @@ _DEPTH = 60
 
 
 def issuer(depth: int = 2) -> str:
-    """The wing (or Megatron's part) whose code made the collective call ``depth`` frames up."""
+    """The wing (or Megatron's part) whose code made the collective call ``depth`` frames up. Megatron's
+    part is the most specific of the Megatron frames up to the first that is not Megatron's: its MoE
+    dispatcher calls the tensor-parallel mappings' all-to-all, which is the MoE layer's communication."""
     frame = sys._getframe(depth)
+    owner = None  # the Megatron part found so far (its index in MEGATRON: lower = more specific)
     for _ in range(_DEPTH):
         if frame is None:
             break
         name = frame.f_globals.get("__name__", "")
         if not name.startswith(PASSED_OVER):
-            for prefix, wing in WINGS:
-                if name.startswith(prefix):
-                    return wing
             if name.startswith("megatron"):
-                if copy_context.current() is not None:
-                    return "multi_copy"
-                return next(owner for prefix, owner in MEGATRON if name.startswith(prefix))
+                index = next(i for i, (prefix, _) in enumerate(MEGATRON) if name.startswith(prefix))
+                owner = index if owner is None else min(owner, index)
+            elif owner is not None:
+                break  # Megatron's code made the call
+            else:
+                for prefix, wing in WINGS:
+                    if name.startswith(prefix):
+                        return wing
         frame = frame.f_back
-    return "multi_copy" if copy_context.current() is not None else "other"
+    if copy_context.current() is not None:
+        return "multi_copy"  # in copies: Megatron's collectives are the copies' to hide
+    return "other" if owner is None else MEGATRON[owner][1]
 
 
 def phase() -> str:

@@ -93,12 +93,13 @@ class Exposure:
         end = meter.now()
         if self.recording:
             self._pending.append((self.step, self._records, self._begin, end, self._device_clock))
-        self._records, self._begin = [], end
+        self._records = []
         if self._device_clock is not None:
             self._device_clock = clocks.DeviceClock(self._device_clock.module)  # the next step's anchor
         self.step += 1
         self.recording = self._measured(self.step)
         self._resolve(wait=False)
+        self._begin = meter.now()  # the meter's own work here (sums, names, a trace) is no step's
 
     def finish(self) -> None:
         """At exit: the step in progress is not a step; the pending ones are resolved (one sync)."""
@@ -141,8 +142,9 @@ class Exposure:
             self.first = dict(summary, step=step)
             self._say(f"step {step}", summary)
             self.warnings = advice.warnings(self.config, summary, step)
-            for line in self.warnings:
-                log.logger.warning("%s", line)
+            if log.global_rank() == 0 or log.is_debug():  # as the first-step summary's warnings
+                for line in self.warnings:
+                    log.logger.warning("%s", line)
         every = self.config.measure_every
         if every:
             self._window.append(summary)
