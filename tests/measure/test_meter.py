@@ -351,7 +351,7 @@ def _collectives_and_aliases():
 
     from coc_inject import dist_interception
 
-    where = [(dist, name) for name in dist_interception.COLLECTIVES if hasattr(dist, name)]
+    where = [(dist, name) for name in dist_interception.EVERY_COLLECTIVE if hasattr(dist, name)]
     for module_name, aliases in dist_interception.MEGATRON_ALIASES.items():
         module = importlib.import_module(module_name)
         where += [(module, alias) for alias in aliases if hasattr(module, alias)]
