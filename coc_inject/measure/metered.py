@@ -16,6 +16,14 @@ from coc_inject.measure import attribution, clocks
 from coc_inject.measure.records import Collective
 
 
+# One name per operation, whichever of torch's forms issued it (the side-by-side compares Megatron's
+# reduce_scatter_tensor with the chunked pipeline's reduce_scatter_single).
+OPERATION = {"all_gather_into_tensor": "all_gather", "_all_gather_base": "all_gather", "all_gather_single": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+             "reduce_scatter_single": "reduce_scatter", "all_to_all_single": "all_to_all",
+             "batch_isend_irecv": "send/recv"}
+
+
 def _tensors(args, kwargs):
     import torch
 
@@ -81,7 +89,7 @@ def wrapper(exposure, name: str, original):
         device = tensors[0].device.type if tensors else "cpu"
         wing = attribution.issuer()
         phase = attribution.phase()
-        record = Collective(wing, name, exposure.group_name(_group(name, args, kwargs)), nbytes,
+        record = Collective(wing, OPERATION.get(name, name), exposure.group_name(_group(name, args, kwargs)), nbytes,
                             exposure.layers.current(phase == "backward"), phase, None)
         clock = exposure.clock_for(device, record)
         profiled = _profiled(f"coc::{wing}::{name}")
