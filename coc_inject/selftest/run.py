@@ -13,7 +13,7 @@ from coc_inject import __version__
 from coc_inject.testbed import ranks
 
 WINGS = {"linears": "linears", "attention-kernels": "kernels", "context-parallel": "context_parallel",
-         "multi-copy": "multi_copy", "moe": "moe"}  # --cases name -> module of coc_inject.selftest
+         "multi-copy": "multi_copy", "moe": "moe", "meter": "meter"}  # --cases name -> module of coc_inject.selftest
 
 
 def _wings(text: str) -> list:

@@ -169,3 +169,36 @@ def test_measuring_changes_nothing_of_the_training(runs):
         for rank in range(2):
             assert runs[measured][rank]["losses"] == runs[unmeasured][rank]["losses"], (measured, rank)
             assert runs[measured][rank]["recorded"] == runs[unmeasured][rank]["recorded"], (measured, rank)
+
+
+def selftest_rows(broken: bool = False) -> list:
+    """``coc-inject selftest``'s meter case on this rank (``broken``: a meter that never counts a wait)."""
+    import torch
+    import torch.distributed as dist
+
+    from coc_inject.measure import records
+    from coc_inject.selftest import meter
+    from coc_inject.selftest.common import Context
+
+    ctx = Context(torch.device("cpu"), "float32", 1, dist.group.WORLD, dist.get_world_size(), dist.get_rank(), None)
+    exposed = records.Collective.exposed
+    if broken:
+        records.Collective.exposed = property(lambda self: 0.0)
+    try:
+        return meter.run(ctx)
+    finally:
+        records.Collective.exposed = exposed
+
+
+def test_the_selftest_case_passes_and_fails_a_wrong_meter(pool2):
+    from coc_inject.selftest import meter
+
+    for rows in pool2.run("test_meter_multirank:selftest_rows"):
+        assert [row["case"] for row in rows] == ["waited at once: all exposed", "covered by 2x compute: hidden"]
+        assert all(row["passed"] and row["bound"] == 0.1 for row in rows), rows
+        exposed, hidden = rows
+        assert exposed["coc_ms"] >= 1e3 * meter.DURATION * 0.9 and exposed["hidden_pct"] < 10
+        assert hidden["coc_ms"] < 1e3 * meter.DURATION * 0.1 and hidden["hidden_pct"] > 90
+    for rows in pool2.run("test_meter_multirank:selftest_rows", broken=True):
+        assert [row["passed"] for row in rows] == [False, True], rows
+        assert rows[0]["errors"]["exposed"] > 0.9
