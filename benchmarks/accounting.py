@@ -1,11 +1,18 @@
-"""Host time the coverage accounting adds to a layer call (issue 9 target: <= 1 us).
+"""Host time the coverage accounting adds to a layer call (issue 9 target: <= 1 us), and what
+COC_MEASURE's meter adds to a collective (issue 36: its cost stated and measured).
 
-Two measurements, each the median over interleaved repetitions:
+Each measurement is the median over interleaved repetitions:
   count()   the accounting call alone (Coverage.count on a known layer) against a no-op with
             the same signature, in a tight loop;
   forward   a real megatron-core ColumnParallelLinear (TP 1, one gloo rank: the call takes
             Megatron's own path, which is counted too) through the patched forward, with the
-            engine's coverage on and off.
+            engine's coverage on and off;
+  meter     a real gloo all_reduce of 16 floats (one rank) through the meter's wrapper
+            (coc_inject.measure.metered) against torch.distributed's own, synchronous
+            (``sync``), asynchronous and waited (``async``: the future's done callback and the
+            timed wait too), and in a step COC_MEASURE does not measure (``idle``: the wrapper
+            only calls through). Each repetition's records are summed (a step's end) outside
+            the timed loop.
 
     python benchmarks/accounting.py [--reps N] [--calls N] [--json PATH]
     (also: make bench-accounting)
@@ -99,6 +106,46 @@ def measure_forward(reps: int, calls: int) -> dict:
         dist.destroy_process_group()
 
 
+def measure_meter(reps: int, calls: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from coc_inject.config import CocConfig
+    from coc_inject.measure import metered
+    from coc_inject.measure.exposure import Exposure
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        x = torch.zeros(16)
+        plain = dist.all_reduce
+        measured = Exposure(CocConfig(measure=(1, None)))  # not armed: no module or optimizer hooks
+        idle = Exposure(CocConfig(measure=(2, 2)))  # step 1 is not measured
+        assert measured.recording and not idle.recording
+        wrapped, passing = metered.wrapper(measured, "all_reduce", plain), metered.wrapper(idle, "all_reduce", plain)
+        variants = {"sync": (lambda: wrapped(x), lambda: plain(x)),
+                    "async": (lambda: wrapped(x, async_op=True).wait(), lambda: plain(x, async_op=True).wait()),
+                    "idle": (lambda: passing(x), lambda: plain(x))}
+        times = {name: ([], []) for name in variants}
+        for function in (f for pair in variants.values() for f in pair):  # warm-up
+            function()
+        recorded = len(measured._records)  # the warm-up's two
+        measured.end_step()
+        for rep in range(reps):
+            order = list(variants.items())
+            order = order[rep % len(order):] + order[:rep % len(order)]  # rotating
+            for name, (with_meter, without) in order:
+                times[name][0].append(_per_call_us(with_meter, calls))
+                times[name][1].append(_per_call_us(without, calls))
+            recorded += len(measured._records)
+            measured.end_step()
+        assert recorded == 2 + 2 * reps * calls, recorded  # the meter really recorded every measured call
+        assert measured.total["total"]["collectives"] == recorded
+        return {name: _summary(*pair) for name, pair in times.items()}
+    finally:
+        dist.destroy_process_group()
+
+
 def _summary(with_accounting: list, without: list) -> dict:
     added = [a - b for a, b in zip(with_accounting, without)]
     return {"with_us": round(statistics.median(with_accounting), 4),
@@ -114,6 +161,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     results = {"count": measure_count(args.reps, args.calls),
                "forward": measure_forward(args.reps, max(1, args.calls // 10))}
+    meter = measure_meter(args.reps, max(1, args.calls // 20))
     print(f"coverage accounting, host time per layer call, median of {args.reps} interleaved repetitions")
     print(f"{'measurement':<12}{'with us':>10}{'without us':>12}{'added us':>10}")
     for name, r in results.items():
@@ -121,9 +169,14 @@ def main(argv=None) -> int:
     worst = max(r["added_us"] for r in results.values())
     verdict = "PASS" if worst <= TARGET_US else "FAIL"
     print(f"{verdict}: accounting adds {worst:.3f} us per call at most (target <= {TARGET_US:.0f} us)")
+    print(f"COC_MEASURE's meter, host time per gloo all_reduce (16 floats, 1 rank), median of {args.reps} "
+          "interleaved repetitions")
+    print(f"{'collective':<12}{'with us':>10}{'without us':>12}{'added us':>10}")
+    for name, r in meter.items():
+        print(f"{name:<12}{r['with_us']:>10.3f}{r['without_us']:>12.3f}{r['added_us']:>10.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(dict(results, target_us=TARGET_US), handle, indent=1)
+            json.dump(dict(results, meter=meter, target_us=TARGET_US), handle, indent=1)
     return 0 if worst <= TARGET_US else 1
 
 
