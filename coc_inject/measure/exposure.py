@@ -65,9 +65,19 @@ class Exposure:
     def add(self, record) -> None:
         self._records.append(record)
 
+    def issued_since(self, count: int) -> list:
+        """The records of this step from the ``count``-th on (a coalesced batch's, metered.coalescing)."""
+        return self._records[count:]
+
+    @property
+    def issued(self) -> int:
+        return len(self._records)
+
     # -- steps --------------------------------------------------------------------------------
 
     def _measured(self, step: int) -> bool:
+        if getattr(self, "_disarmed", False):
+            return False
         return in_range(step, self.config.measure) or (self.config.trace_dir is not None
                                                        and in_range(step, self.config.trace_steps))
 
@@ -78,6 +88,7 @@ class Exposure:
         self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
 
     def disarm(self) -> None:
+        self.recording, self._disarmed = False, True  # a wrapper a module bound meanwhile only calls through
         self.layers.uninstall()
         if self._step_hook is not None:
             self._step_hook.remove()

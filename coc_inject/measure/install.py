@@ -27,6 +27,7 @@ def _install(installation, module=None) -> Exposure:
         return installation.exposure
     exposure = Exposure(installation.config, log.global_rank())
     dist_interception.patch_all(lambda name, original: metered.wrapper(exposure, name, original), installation.patches)
+    _patch_coalescing(exposure, installation.patches)
     exposure.arm()
     installation.exposure = exposure
     installation.armed_coverage().communication = lambda: (exposure.finish(), exposure.report())[1]
@@ -39,6 +40,26 @@ def _install(installation, module=None) -> Exposure:
 
     installation.undo.append(undo)
     return exposure
+
+
+# Megatron DDP's gradient buckets go out through torch's coalescing manager (bound at its import).
+COALESCING_ALIASES = ("megatron.core.distributed.param_and_grad_buffer",)
+
+
+def _patch_coalescing(exposure, patches) -> None:
+    import sys
+
+    import torch.distributed as dist
+
+    original = getattr(dist, "_coalescing_manager", None)
+    if original is None:
+        return
+    replacement = metered.coalescing(exposure, original)
+    patches.patch(dist, "_coalescing_manager", replacement)
+    for name in COALESCING_ALIASES:  # imported already; one imported later binds the replacement, which
+        module = sys.modules.get(name)  # only calls through once the meter is disarmed
+        if module is not None and getattr(module, "_coalescing_manager", None) is original:
+            patches.patch(module, "_coalescing_manager", replacement)
 
 
 def banner(config) -> str:

@@ -11,6 +11,8 @@ tells when the network finished. Under ``torch.profiler`` each issue and wait is
 
 from __future__ import annotations
 
+import contextlib
+
 from coc_inject import meter
 from coc_inject.measure import attribution, clocks
 from coc_inject.measure.records import Collective
@@ -131,10 +133,75 @@ def wrapper(exposure, name: str, original):
 def _when_done(work, record) -> None:
     try:
         future = work.get_future()
-    except (RuntimeError, AttributeError):  # a backend without futures: done = the last wait's end
+        future.add_done_callback
+    except Exception:  # noqa: BLE001 - a backend without futures, a coalesced op's placeholder: done = the last wait's end
         return
 
     def finished(_):
         record.done = meter.now()
 
     future.add_done_callback(finished)
+
+
+class _BatchWork:
+    """A coalesced batch's handle (the manager's ``works``): its wait timed once for the whole batch."""
+
+    def __init__(self, work, batch, exposure):
+        self._work, self._batch, self._exposure = work, batch, exposure
+
+    def wait(self, *args, **kwargs):
+        begin = meter.now()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            _batch_waited(self._batch, begin, meter.now())
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _batch_waited(batch, begin, end) -> None:
+    """A coalesced batch goes out and is waited for as one: the wait is its first collective's, and every
+    one of them is done at its end (the per-group queue then charges the batch its span once)."""
+    if batch:
+        batch[0].waits.append((begin, end))
+        for record in batch:
+            if record.done is None:  # the backend's future, where it told, is the better end
+                record.done = end
+
+
+def coalescing(exposure, original):
+    """torch's ``_coalescing_manager`` (Megatron DDP's gradient buckets) measured: the collectives issued
+    inside are recorded by their own wrappers, queued, not sent; they go out at the manager's exit, which
+    waits for them when ``async_ops`` is false, else ``cm.wait()`` does. Host clock only: on a device the
+    batch's records keep their issue and get no wait (said in docs/measuring.md)."""
+
+    @contextlib.contextmanager
+    def metered(*args, **kwargs):
+        if not exposure.recording or exposure.paused():
+            with original(*args, **kwargs) as manager:
+                yield manager
+            return
+        first = exposure.issued
+        context = original(*args, **kwargs)
+        manager = context.__enter__()
+        try:
+            yield manager
+        except BaseException as error:
+            if not context.__exit__(type(error), error, error.__traceback__):
+                raise
+            return
+        batch = [record for record in exposure.issued_since(first) if record.marks is None]
+        begin = meter.now()
+        context.__exit__(None, None, None)  # sends the batch; waits for it unless async_ops
+        end = meter.now()
+        if getattr(manager, "works", None):
+            manager.works = [_BatchWork(work, batch, exposure) for work in manager.works]
+            for work in manager.works:
+                for record in batch:
+                    _when_done(work._work, record)
+        else:
+            _batch_waited(batch, begin, end)
+
+    metered.__wrapped__ = original
+    return metered
