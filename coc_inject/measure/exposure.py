@@ -135,7 +135,8 @@ class Exposure:
         if step == 1 and collectives:  # from the first collective: not the model's construction before it
             begin = min(r.issued for r in collectives)
         summary = records.summarize(collectives, end - begin)
-        self.layers.names()  # while the model is alive
+        if self.first is None:  # names while the model is alive: one pass over the live objects, once
+            self.layers.names()
         if self.config.trace_dir is not None and in_range(step, self.config.trace_steps):
             from coc_inject.measure import trace
 
