@@ -24,6 +24,8 @@ MEGATRON = (("megatron.core.transformer.moe", "megatron moe"),
             ("megatron.core.optimizer", "megatron optimizer"),
             ("megatron.core.pipeline_parallel", "megatron pipeline"),
             ("megatron", "megatron other"))
+# Megatron's expert groups: its collectives over them are the MoE layer's, whatever frame issued them.
+EXPERT_GROUPS = ("ep", "etp", "tp-ep")
 MEGATRON_OWNERS = tuple(owner for _, owner in MEGATRON) + ("other",)
 _DEPTH = 60
 

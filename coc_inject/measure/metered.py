@@ -91,7 +91,10 @@ def wrapper(exposure, name: str, original):
         device = tensors[0].device.type if tensors else "cpu"
         wing = attribution.issuer()
         phase = attribution.phase()
-        record = Collective(wing, OPERATION.get(name, name), exposure.group_name(_group(name, args, kwargs)), nbytes,
+        group = exposure.group_name(_group(name, args, kwargs))
+        if group in attribution.EXPERT_GROUPS and wing.startswith("megatron"):
+            wing = "megatron moe"  # its all-to-all's backward runs in the mappings alone (no MoE frame above)
+        record = Collective(wing, OPERATION.get(name, name), group, nbytes,
                             exposure.layers.current(phase == "backward"), phase, None)
         clock = exposure.clock_for(device, record)
         profiled = _profiled(f"coc::{wing}::{name}")
