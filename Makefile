@@ -132,10 +132,12 @@ define make_venv
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(2)
 	$(if $(3),$(1)/bin/python -m pip install -q --disable-pip-version-check $(3))
-	$(1)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation ".[test,bench]"
-	rm -rf build coc_inject.egg-info
+	flock $(INSTALL_LOCK) sh -c '$(1)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation ".[test,bench]" && rm -rf build coc_inject.egg-info'
 	touch $(1)/.installed
 endef
+# The older releases' venvs are made in parallel; each builds this package in ./build and then removes
+# it: one at a time, or one's clean-up pulls the other's build from under it.
+INSTALL_LOCK := $(VENV)/.install.lock
 
 $(VENV)/.installed: $(SOURCES)
 	$(call make_venv,$(VENV),--no-deps --ignore-requires-python megatron-core==$(MEGATRON_NEWEST),$(MEGATRON_NEWEST_REQUIRES))
