@@ -36,29 +36,39 @@ MEGATRON_ALIASES = {
 }
 
 
+def _sites(make, names, import_aliases: bool) -> list:
+    """``(owner, attribute, replacement)`` for each collective in ``names`` that ``make(name, what_was_there)``
+    replaces (None: left as it is), in torch.distributed and in every Megatron alias holding it: in the
+    alias modules imported now, or (``import_aliases``) imported here, so that none binds a replacement at
+    its import and keeps it after."""
+    sites, replacements = [], {}
+    for name in names:
+        current = getattr(dist, name, None)
+        replacement = None if current is None else make(name, current)
+        if replacement is not None:
+            replacements[current] = replacements[inspect.unwrap(current)] = replacement
+            sites.append((dist, name, replacement))
+    for module_name, aliases in MEGATRON_ALIASES.items():
+        try:
+            module = importlib.import_module(module_name) if import_aliases else sys.modules.get(module_name)
+        except ImportError:
+            continue
+        for alias in aliases if module is not None else ():
+            current = getattr(module, alias, None)
+            replacement = replacements.get(current) or replacements.get(inspect.unwrap(current))
+            if replacement is not None:
+                sites.append((module, alias, replacement))
+    return sites
+
+
 @contextlib.contextmanager
 def replaced(make, names=COLLECTIVES):
     """Inside, each collective in ``names`` is ``make(name, what_was_there)`` (None: left as it is),
     in torch.distributed and in every Megatron alias holding it."""
-    saved, replacements = [], {}
-    for name in names:
-        current = getattr(dist, name, None)
-        replacement = None if current is None else make(name, current)
-        if replacement is None:
-            continue
-        replacements[current] = replacements[inspect.unwrap(current)] = replacement
-        saved.append((dist, name, current))
-        setattr(dist, name, replacement)
-    for module_name, aliases in MEGATRON_ALIASES.items():
-        try:  # imported now, or it would bind our replacement at its import and keep it after
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for alias in aliases:
-            current = getattr(module, alias, None)
-            if current in replacements or inspect.unwrap(current) in replacements:
-                saved.append((module, alias, current))
-                setattr(module, alias, replacements.get(current) or replacements[inspect.unwrap(current)])
+    saved = []
+    for owner, name, replacement in _sites(make, names, import_aliases=True):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
@@ -70,20 +80,8 @@ def patch_all(make, patches, names=EVERY_COLLECTIVE) -> None:
     """For a whole job: each collective in ``names`` replaced by ``make(name, what_was_there)`` (None:
     left as it is), in torch.distributed and in the Megatron aliases already imported, through
     ``patches`` (coc_inject.patches.Patches: undone by its restore). COC_MEASURE's meter."""
-    replacements = {}
-    for name in names:
-        current = getattr(dist, name, None)
-        replacement = None if current is None else make(name, current)
-        if replacement is not None:
-            replacements[current] = replacements[inspect.unwrap(current)] = replacement
-            patches.patch(dist, name, replacement)
-    for module_name, aliases in MEGATRON_ALIASES.items():
-        module = sys.modules.get(module_name)
-        for alias in aliases if module is not None else ():
-            current = getattr(module, alias, None)
-            replacement = replacements.get(current) or replacements.get(inspect.unwrap(current))
-            if replacement is not None:
-                patches.patch(module, alias, replacement)
+    for owner, name, replacement in _sites(make, names, import_aliases=False):
+        patches.patch(owner, name, replacement)
 
 
 class Shared:
