@@ -26,7 +26,6 @@ MEGATRON = (("megatron.core.transformer.moe", "megatron moe"),
             ("megatron", "megatron other"))
 # Megatron's expert groups: its collectives over them are the MoE layer's, whatever frame issued them.
 EXPERT_GROUPS = ("ep", "etp", "tp-ep")
-MEGATRON_OWNERS = tuple(owner for _, owner in MEGATRON) + ("other",)
 _DEPTH = 60
 
 

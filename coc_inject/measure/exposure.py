@@ -30,6 +30,7 @@ class Exposure:
         self.layers = Layers()
         self.group_name = attribution.GroupNames()
         self.step = 1
+        self._disarmed = False
         self.recording = self._measured(1)
         self._records: list = []
         self._begin = meter.now()
@@ -76,7 +77,7 @@ class Exposure:
     # -- steps --------------------------------------------------------------------------------
 
     def _measured(self, step: int) -> bool:
-        if getattr(self, "_disarmed", False):
+        if self._disarmed:
             return False
         return in_range(step, self.config.measure) or (self.config.trace_dir is not None
                                                        and in_range(step, self.config.trace_steps))

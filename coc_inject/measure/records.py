@@ -37,11 +37,6 @@ class Collective:
             return self.done
         return max((end for _, end in self.waits), default=self.issued)
 
-    def row(self, communication: float) -> dict:
-        return {"wing": self.wing, "op": self.op, "group": self.group, "bytes": self.bytes, "layer": self.layer,
-                "phase": self.phase, "issued": self.issued, "waits": [list(w) for w in self.waits],
-                "done": self.finished, "communication_s": communication, "exposed_s": self.exposed}
-
 
 def communication_times(collectives) -> list:
     """Each collective's time on the network: from the later of its issue and the previous ``done`` of
@@ -71,11 +66,9 @@ def _finish(rows: dict) -> dict:
     return rows
 
 
-def kind(record_or_row) -> str:
+def kind(record: Collective) -> str:
     """A collective's kind as the side-by-side compares it: the group and the operation ("tp all_reduce")."""
-    group, op = (record_or_row.group, record_or_row.op) if isinstance(record_or_row, Collective) else (
-        record_or_row["group"], record_or_row["op"])
-    return f"{group} {op}"
+    return f"{record.group} {record.op}"
 
 
 def summarize(collectives, seconds: float | None = None) -> dict:
