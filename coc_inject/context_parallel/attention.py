@@ -22,7 +22,7 @@ import logging
 import torch
 
 from coc_inject import attention_kernels, log
-from coc_inject.context_parallel import layout
+from coc_inject.context_parallel import layout, masks
 from coc_inject.context_parallel.function import ContextParallelAttention
 from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, LOCAL, RING, ULYSSES, make_schedule
 from coc_inject.settings.table import variable_for
@@ -77,7 +77,6 @@ class LayerCP:
     kernel_preference: str = attention_kernels.AUTO  # COC_ATTN_KERNEL
     scale: float = 0.0  # set once Megatron's __init__ has computed it
     schedules: dict = field(default_factory=dict)  # (variant, causal) -> Schedule
-    checked_masks: dict = field(default_factory=dict)  # mask identity -> causal
     kernels: dict = field(default_factory=dict)  # (device type, dtype, head dim) -> attention_kernels.Choice
 
     @property
@@ -233,11 +232,13 @@ def _hybrid_degree(coc_config, megatron_config, where) -> int:
     return degree
 
 
-def is_causal(plan: LayerCP, layer_mask_type, attention_mask, q_ids, chunk_len: int) -> bool:
+def is_causal(plan: LayerCP, layer_mask_type, attention_mask, q_ids, chunk_len: int,
+              mask_ignored: bool = False) -> bool:
     """Causal or no mask, as Megatron's local attention would apply it; any other mask is an error.
 
-    A mask tensor decides when given (Megatron's softmax uses it whatever the mask type); without
-    one the layer's mask type does (COC_CP_MASK_TYPE=general: no mask).
+    A mask tensor decides when given and Megatron's softmax applies it; ``mask_ignored``
+    (masks.megatron_ignores_mask: its fused causal kernel would run) leaves it unread, as Megatron
+    does. Without one the layer's mask type does (COC_CP_MASK_TYPE=general: no mask).
     """
     name = getattr(layer_mask_type, "name", str(layer_mask_type))
     if plan.mask_type == "causal" and name != "causal":
@@ -246,38 +247,26 @@ def is_causal(plan: LayerCP, layer_mask_type, attention_mask, q_ids, chunk_len: 
     if name not in ("causal", "no_mask", "padding"):
         raise ContextParallelError(f"context parallelism on the local attention supports causal and no-mask "
                                    f"attention, not the mask type {name}")
-    if attention_mask is not None:
+    if attention_mask is not None and not mask_ignored:
         return _mask_is_causal(plan, attention_mask, q_ids, chunk_len)
     return name == "causal" and plan.mask_type != "general"
 
 
 def _mask_is_causal(plan: LayerCP, mask, q_ids, chunk_len: int) -> bool:
     """True for a causal mask, False for one that hides nothing; rows ``[b|1, 1, s/CP, s]`` (this rank's,
-    Megatron's CP split) or ``[b|1, 1, s, s]``. Checked once per mask tensor."""
-    key = (mask.data_ptr(), tuple(mask.shape), mask._version)
-    if key in plan.checked_masks:
-        return plan.checked_masks[key]
+    Megatron's CP split) or ``[b|1, 1, s, s]``. Read once per mask tensor (masks.classify)."""
     rows, cols = mask.shape[-2:]
     seq = chunk_len * plan.chunks
     if mask.dim() != 4 or mask.shape[1] != 1 or cols != seq or rows not in (seq, len(q_ids) * chunk_len):
         raise ContextParallelError(f"attention mask of shape {list(mask.shape)}: context parallelism expects "
                                    f"[b|1, 1, {len(q_ids) * chunk_len}, {seq}] (this rank's rows, Megatron's CP "
                                    f"split) or [b|1, 1, {seq}, {seq}]")
-    hidden = mask.bool()
-    if not hidden.any():
-        causal = False
-    else:
-        positions = range(seq) if rows == seq else layout.global_positions(q_ids, chunk_len)
-        q_pos = torch.tensor(positions, device=mask.device)
-        if not torch.equal(hidden, (torch.arange(seq, device=mask.device)[None, :] > q_pos[:, None]).expand_as(hidden)):
-            raise ContextParallelError(
-                "the attention mask is neither causal nor empty: context parallelism on the local attention "
-                "supports causal and no-mask attention only (padding or document masks: Transformer Engine)")
-        causal = True
-    if len(plan.checked_masks) > 64:
-        plan.checked_masks.clear()
-    plan.checked_masks[key] = causal
-    return causal
+    kind = masks.classify(mask, (0,), seq, seq) if rows == seq else masks.classify(mask, q_ids, chunk_len, seq)
+    if kind not in (masks.CAUSAL, masks.NONE):
+        raise ContextParallelError(
+            "the attention mask is neither causal nor empty: context parallelism on the local attention "
+            "supports causal and no-mask attention only (padding or document masks: Transformer Engine)")
+    return kind == masks.CAUSAL
 
 
 def schedule_for(plan: LayerCP, variant: Variant, causal: bool):
@@ -316,15 +305,19 @@ def run(plan: LayerCP, variant: Variant, query, key, value, causal: bool, kernel
     return ContextParallelAttention.apply(query, key, value, schedule_for(plan, variant, causal), kernel)
 
 
-def mask_is_causal(plan: LayerCP, query, attention_mask, mask_type) -> bool:
-    """Causal or not for this call (errors for what cannot run); checks the rows too."""
+def mask_is_causal(plan: LayerCP, query, attention_mask, mask_type, layer=None) -> bool:
+    """Causal or not for this call (errors for what cannot run); checks the rows too. ``layer``:
+    Megatron's attention, whose softmax may ignore the mask (masks.megatron_ignores_mask)."""
     s = query.shape[0]
+    ignored = attention_mask is not None and layer is not None \
+        and masks.megatron_ignores_mask(layer, query.shape[1], s * (1 if plan.local else plan.cp_size))
     if plan.local:
-        return is_causal(plan, mask_type, attention_mask, (0,), s)
+        return is_causal(plan, mask_type, attention_mask, (0,), s, ignored)
     if s % 2:
         raise ContextParallelError(f"context parallelism needs the sequence in 2*CP chunks (Megatron's "
                                    f"get_batch_on_this_cp_rank); this rank holds {s} rows, an odd number")
-    return is_causal(plan, mask_type, attention_mask, layout.rank_chunks(plan.cp_group.rank(), plan.cp_size), s // 2)
+    return is_causal(plan, mask_type, attention_mask, layout.rank_chunks(plan.cp_group.rank(), plan.cp_size), s // 2,
+                     ignored)
 
 
 def megatron_init(original_init, arguments: inspect.BoundArguments, layer) -> None:

@@ -72,7 +72,8 @@ def wrap_forward(installation, original_forward):
                 if given is not None:
                     raise attention.ContextParallelError(
                         f"context parallelism on Megatron's local DotProductAttention does not support {feature}")
-            causal = attention.mask_is_causal(plan, query, attention_mask, attn_mask_type or self.attn_mask_type)
+            causal = attention.mask_is_causal(plan, query, attention_mask, attn_mask_type or self.attn_mask_type,
+                                            self)
         except attention.ContextParallelError as exc:
             if not plan.local:
                 raise

@@ -10,15 +10,17 @@ While a block call runs as sequence copies, each layer's core attention (Megatro
 ``DotProductAttention``) answers through :meth:`Meeting.attend` (its ``forward`` set on the module
 for the call, removed after):
 
-* causal without a mask tensor, or with exactly Megatron's causal mask: one autograd node per copy
-  (:class:`CopiesAttention`), the device's fused kernel (coc_inject.attention_kernels) on its own block
-  (causal) and on each earlier copy's (full), merged by their log-sum-exp; its backward, from the
-  final out and log-sum-exp, sends the earlier copies' key/value gradients into their graphs, where
-  autograd adds them to those copies' own before their key/value projection's backward runs;
-* any other mask that hides every later position (padding): Megatron's own attention on the copy's
-  queries against the earlier copies' keys and values and its own, concatenated, with the mask's rows
-  of the copy's positions and columns up to its last;
-* no fused kernel for the call (device, dtype, head dim): the same as a mask, Megatron's attention;
+* causal (no mask tensor, Megatron's causal mask, or a mask Megatron's fused softmax ignores:
+  sequence.mask_kind decides before the block runs): one autograd node per copy
+  (:class:`CopiesAttention`), the attention over parts the CP schedules run
+  (context_parallel.blocks.forward_parts) through the device's fused kernel, or the reference kernel
+  where none runs the call (coc_inject.attention_kernels): its own block causal, each earlier copy's
+  full, merged by their log-sum-exp; its backward, from the final out and log-sum-exp, accumulates
+  in fp32 and sends the earlier copies' key/value gradients into their graphs, where autograd adds
+  them to those copies' own before their key/value projection's backward runs. Megatron's own
+  attention is never called on a copy: its softmax would see a non-square score matrix (its fused
+  causal kernel asserts square; above 4096 keys it would ignore a mask for one copy and apply it
+  for another). Any other mask runs the block Megatron's way (sequence.reason says why);
 * context parallelism (CP > 1): the layer's CP algorithm in each copy, over the keys and values of
   every copy so far (meeting_cp.py).
 """
@@ -27,11 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 
-from coc_inject import attention_kernels, copy_context
-from coc_inject.attention_kernels import merge
+from coc_inject import attention_kernels, copy_context, log
+from coc_inject.context_parallel import blocks
 from coc_inject.multi_copy import meeting_cp
 
 
@@ -41,22 +44,18 @@ def _to_kernel(t: torch.Tensor) -> torch.Tensor:
 
 
 class CopiesAttention(torch.autograd.Function):
-    """One copy's attention: q ``[s, b, heads, d]`` against its own k/v ``[s, b, groups, d]`` (causal) and
-    the earlier copies' (full) -> ``[s, b, heads * d]``; ``earlier``: (k, v, k in kernel layout, v in
+    """Copy ``copy``'s attention: q ``[s, b, heads, d]`` against its own k/v ``[s, b, groups, d]`` (causal)
+    and the earlier copies' (full) -> ``[s, b, heads * d]``; ``earlier``: (k, v, k in kernel layout, v in
     kernel layout) of each earlier copy. Returns gradients for q, k, v and every earlier k, v."""
 
     @staticmethod
     def forward(ctx, q, k, v, kernel, scale, earlier, *earlier_kv):
         q4, k4, v4 = _to_kernel(q), _to_kernel(k), _to_kernel(v)
-        blocks = [(ek4, ev4, False) for _, _, ek4, ev4 in earlier] + [(k4, v4, True)]
-        out, lse = kernel.forward(q4, k4, v4, scale, True)
-        if earlier:
-            acc_out, acc_lse = merge.new_accumulators(q4)
-            merge.first_into(acc_out, acc_lse, out, lse)
-            for ek4, ev4, _ in blocks[:-1]:
-                merge.merge_into(acc_out, acc_lse, *kernel.forward(q4, ek4, ev4, scale, False))
-            out, lse = acc_out.to(q.dtype), acc_lse
-        ctx.save_for_backward(q4, out, lse, *(t for block in blocks for t in block[:2]))
+        copy = len(earlier)
+        parts = [(ek4, ev4, (j,)) for j, (_, _, ek4, ev4) in enumerate(earlier)] + [(k4, v4, (copy,))]
+        out, lse = blocks.forward_parts(kernel, q4, (copy,), parts, True, q4.shape[2], scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q4, out, lse, *(t for part in parts for t in part[:2]))
         ctx.kernel, ctx.scale, ctx.dtypes = kernel, scale, (q.dtype, k.dtype)
         s, b, heads, d = q.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, heads * d)
@@ -66,14 +65,10 @@ class CopiesAttention(torch.autograd.Function):
         q4, out, lse, *kv = ctx.saved_tensors
         s, b, heads, d = q4.shape[2], q4.shape[0], q4.shape[1], q4.shape[3]
         dout4 = dout.reshape(s, b, heads, d).permute(1, 2, 0, 3).contiguous().to(q4.dtype)
-        dq = None
-        grads = []
-        count = len(kv) // 2
-        for j in range(count):
-            dq_j, dk, dv = ctx.kernel.backward(dout4, q4, kv[2 * j], kv[2 * j + 1], out, lse, ctx.scale,
-                                               j == count - 1)
-            dq = dq_j if dq is None else dq + dq_j
-            grads.append((dk.permute(2, 0, 1, 3).to(ctx.dtypes[1]), dv.permute(2, 0, 1, 3).to(ctx.dtypes[1])))
+        copy = len(kv) // 2 - 1
+        parts = [(kv[2 * j], kv[2 * j + 1], (j,)) for j in range(copy + 1)]
+        dq, grads = blocks.backward_parts(ctx.kernel, q4, (copy,), parts, dout4, out, lse, True, s, ctx.scale)
+        grads = [(dk.permute(2, 0, 1, 3).to(ctx.dtypes[1]), dv.permute(2, 0, 1, 3).to(ctx.dtypes[1])) for dk, dv in grads]
         own = grads.pop()
         return (dq.permute(2, 0, 1, 3).to(ctx.dtypes[0]), *own, None, None, None,
                 *(g for pair in grads for g in pair))
@@ -81,13 +76,13 @@ class CopiesAttention(torch.autograd.Function):
 
 class Meeting:
     """One block call's sequence copies at their attention: each copy's keys and values per layer,
-    published at its attention for the later copies. ``mask``: "causal" or "general" for the call's
-    mask tensor (sequence.mask_kind), None without one."""
+    published at its attention for the later copies. ``mask``: "causal" for the call's mask tensor
+    (sequence.mask_kind passed nothing else), None without one: causal either way."""
 
     def __init__(self, copies: int, mask: str | None, kernel_preference: str = attention_kernels.AUTO):
         self.copies, self.mask, self.preference = copies, mask, kernel_preference
         self.published: dict = {}  # (layer, copy) -> (k, v, k in kernel layout, v in kernel layout)
-        self.kernels: dict = {}  # (device, dtype, head dim) -> the fused kernel, or None
+        self.kernels: dict = {}  # (device, dtype, head dim) -> the block kernel (attention_kernels.choose)
 
     @contextlib.contextmanager
     def answering(self, block):
@@ -103,12 +98,18 @@ class Meeting:
             self.published.clear()
 
     def _kernel(self, query):
+        """The layer's block kernel for this call shape: the fused one, or the reference kernel where
+        none runs it (said once), as the CP wing chooses (COC_ATTN_KERNEL=fused without one: refused
+        before the block runs, sequence.reason)."""
         shape = (query.device.type, query.dtype, query.shape[-1])
         if shape not in self.kernels:
-            kernel = None
-            if self.preference != attention_kernels.REFERENCE:
-                kernel, _ = attention_kernels.fused_kernel(*shape)
-            self.kernels[shape] = kernel
+            choice = attention_kernels.choose(self.preference, *shape)
+            if choice.fallback_reason is not None and self.preference != attention_kernels.REFERENCE:
+                log.once(("attention-kernel-fallback", choice.fallback_reason), logging.WARNING,
+                         f"sequence copies' attention on {shape[0]} in {str(shape[1]).removeprefix('torch.')}, head "
+                         f"dim {shape[2]} runs the reference kernel (tiled fp32 torch ops, slower): "
+                         f"{choice.fallback_reason}")
+            self.kernels[shape] = choice.kernel
         return self.kernels[shape]
 
     def attend(self, layer, megatron_forward, query, key, value, attention_mask, attn_mask_type=None,
@@ -130,25 +131,12 @@ class Meeting:
             if copy + 1 < self.copies:
                 self.published[(id(layer), copy)] = (key, value, None, None)
             return meeting_cp.attend(plan, layer, copy, query, key, value, [e[:2] for e in earlier])
-        kernel = self._kernel(query) if self.mask in (None, "causal") else None
-        mine = (key, value) + ((_to_kernel(key), _to_kernel(value)) if kernel is not None else (None, None))
+        kernel = self._kernel(query)
+        mine = (key, value, _to_kernel(key), _to_kernel(value))
         if copy + 1 < self.copies:
             self.published[(id(layer), copy)] = mine
-        if kernel is None:  # a padding mask, or no fused kernel: Megatron's attention on the keys so far
-            return self._megatron(megatron_forward, copy, query, key, value, earlier, attention_mask, attn_mask_type)
         scale = layer.softmax_scale * (getattr(layer.scale_mask_softmax, "scale", None) or 1.0)
         if any(e[2] is None for e in earlier):
             earlier = [(k, v, _to_kernel(k), _to_kernel(v)) for k, v, *_ in earlier]
         return CopiesAttention.apply(query, key, value, kernel, scale, earlier,
                                      *(t for e in earlier for t in e[:2]))
-
-    def _megatron(self, megatron_forward, copy, query, key, value, earlier, attention_mask, attn_mask_type):
-        s = query.shape[0]
-        keys = torch.cat([e[0] for e in earlier] + [key]) if earlier else key
-        values = torch.cat([e[1] for e in earlier] + [value]) if earlier else value
-        seq = s * self.copies
-        if attention_mask is None:  # causal: Megatron's default mask is square, this one is not
-            mask = torch.ones(s, seq, dtype=torch.bool, device=query.device).triu(1 + copy * s)[None, None]
-        else:
-            mask = attention_mask[..., copy * s:(copy + 1) * s, :]
-        return megatron_forward(query, keys, values, mask[..., :(copy + 1) * s], attn_mask_type=attn_mask_type)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from coc_inject import job
-from coc_inject.context_parallel import allgather, attention, layout, ring as ring_schedule, ulysses
+from coc_inject.context_parallel import allgather, attention, layout, masks, ring as ring_schedule, ulysses
 from coc_inject.context_parallel.ring import Ring
 from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, ULYSSES
 from coc_inject.routes import AttentionRoute
@@ -71,14 +71,20 @@ def reason(block, copies: int, arguments: dict, seq: int) -> str | None:
         if plan.auto:
             return ("COC_CP_ALGO=auto (its trials time each layer's attention on this rank's whole sequence; "
                     "sequence copies split it: set the algorithm)")
+        ignored = mask is not None and masks.megatron_ignores_mask(core, block_batch(arguments), seq * cp)
         try:
             causal = attention.is_causal(plan, core.attn_mask_type, mask,
-                                         layout.rank_chunks(plan.cp_group.rank(), plan.cp_size), seq // 2)
+                                         layout.rank_chunks(plan.cp_group.rank(), plan.cp_size), seq // 2, ignored)
         except attention.ContextParallelError as exc:
             return str(exc)
         if not causal:
             return "attention that is not causal under context parallelism (a copy would need a later copy's keys)"
     return None
+
+
+def block_batch(arguments: dict) -> int:
+    """The block call's micro-batch: the hidden states' ``[s, b, h]`` middle dim."""
+    return arguments["hidden_states"].shape[1]
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,6 @@ SEQUENCE, BATCH = "sequence", "batch"
 # reads its rows, meeting.py), the rotary embeddings (each copy's positions).
 TAKEN = ("hidden_states", "attention_mask", "rotary_pos_emb")
 
-_checked_masks: dict = {}  # id(mask) -> (weakref, version, kind): checked once per mask tensor
-
 
 def reason(block, batch: int, rows: int, copies: int, arguments: dict, seq: int) -> str | None:
     """Why this call cannot run as ``copies`` sequence copies (``rows``: this rank's rows of the
@@ -71,36 +69,56 @@ def reason(block, batch: int, rows: int, copies: int, arguments: dict, seq: int)
 
         found = meeting_cp.reason(block, copies, arguments, seq)
         return None if found is None else why + found
+    why_kernel = _kernel_reason(arguments.get("hidden_states"), config)
+    if why_kernel is not None:
+        return why + why_kernel
     if mask is not None:
-        kind = mask_kind(mask, seq)
-        if kind not in ("causal", "general"):
+        kind = mask_kind(block, mask, batch, seq)
+        if kind != "causal":
             return why + kind
     return None
 
 
-def mask_kind(mask: torch.Tensor, seq: int) -> str:
-    """"causal" (exactly Megatron's causal mask), "general" (it hides every later position and more:
-    padding), else why not. Reads the mask (a host sync) once per mask tensor."""
-    import weakref
+def mask_kind(block, mask: torch.Tensor, batch: int, seq: int) -> str:
+    """"causal" where the copies' causal attention over parts is exactly Megatron's, else why not.
 
-    found = _checked_masks.get(id(mask))
-    if found is not None and found[0]() is mask and found[1] == mask._version:
-        return found[2]
+    Where Megatron's softmax ignores the mask tensor (its fused causal kernel runs for the whole
+    sequence's scores) the mask is not read: causal, as Megatron runs it. Elsewhere Megatron applies
+    it, and masks.classify reads it once per mask tensor. Only exactly causal runs as copies: any
+    other mask would need the copies' attention with that mask applied (a padding or document mask),
+    which no kernel over parts here runs exactly, or a later copy's keys."""
+    from coc_inject.context_parallel import masks
+
+    cores = [layer.self_attention.core_attention for layer in block.layers]
+    if all(masks.megatron_ignores_mask(core, batch, seq) for core in cores):
+        return "causal"
     if mask.dim() != 4 or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (seq, seq):
-        kind = f"an attention mask of shape {list(mask.shape)} (expected [b|1, 1, {seq}, {seq}])"
-    else:
-        hidden = mask.bool()
-        later = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).triu(1)
-        if bool((hidden == later).all()):
-            kind = "causal"
-        elif bool(hidden[..., later].all()):
-            kind = "general"
-        else:
-            kind = "an attention mask that lets a position see a later one (a copy would need a later copy's keys)"
-    if len(_checked_masks) > 64:
-        _checked_masks.clear()
-    _checked_masks[id(mask)] = (weakref.ref(mask), mask._version, kind)
-    return kind
+        return f"an attention mask of shape {list(mask.shape)} (expected [b|1, 1, {seq}, {seq}])"
+    kind = masks.classify(mask, (0,), seq, seq)
+    if kind == masks.CAUSAL:
+        return "causal"
+    if kind == masks.GENERAL:
+        return ("a padding or document mask Megatron's softmax applies here (the copies' attention over parts "
+                "runs causal blocks only; a non-square score matrix for Megatron's softmax is never an option)")
+    if kind == masks.NONE:
+        return "an attention mask that hides nothing (a copy would need a later copy's keys)"
+    return kind + " (a copy would need a later copy's keys)"
+
+
+def _kernel_reason(hidden, config) -> str | None:
+    """Why the copies' attention has no kernel for this call (COC_ATTN_KERNEL=fused without a fused
+    kernel for the device, dtype and head dim), or None: decided before the block runs."""
+    from coc_inject import attention_kernels, job
+
+    preference = getattr(getattr(job.current(), "config", None), "attn_kernel", None) or attention_kernels.AUTO
+    if hidden is None or preference != attention_kernels.FUSED:
+        return None
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    try:
+        attention_kernels.choose(preference, hidden.device.type, hidden.dtype, head_dim)
+    except attention_kernels.KernelUnavailable as exc:
+        return str(exc)
+    return None
 
 
 class Layout:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tests.context_parallel import cp_gpt_cases
 from tests.dist_harness import cpu_streams
-from tests.fakes import fused_wgrad
+from tests.fakes import fused_softmax, fused_wgrad
 from tests.moe import moe_cases
 
 LR = 0.5
@@ -98,16 +98,19 @@ def _install(coc: dict | None, tp: int, cp: int, ep: int) -> None:
     moe_cases._state_key = None  # the next case initialises again
 
 
-def _model(kind: str, tp: int, cp: int, ep: int, dtype, seq: int, vocab: int):
+def _model(kind: str, tp: int, cp: int, ep: int, dtype, seq: int, vocab: int, heads: int = 4,
+           softmax_fusion: bool = False):
     """The GPT; in bf16 inside Megatron's Float16Module, as Megatron-LM wraps it (bf16 parameters and
-    activations, the logits back in fp32)."""
+    activations, the logits back in fp32). ``softmax_fusion``: Megatron's fused softmax (the CPU
+    stand-ins of tests/fakes/fused_softmax.py) where its shapes allow."""
     from megatron.core.transformer.module import Float16Module
 
     fused = dict(gradient_accumulation_fusion=True, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     if kind == "moe":
         model = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, sp=tp > 1, context_parallel_size=cp, **fused)
     else:
-        model = cp_gpt_cases.build_gpt(tp, cp, seq=seq, vocab=vocab, sp=tp > 1, **fused)
+        model = cp_gpt_cases.build_gpt(tp, cp, seq=seq, vocab=vocab, sp=tp > 1, heads=heads,
+                                       masked_softmax_fusion=softmax_fusion, **fused)
     return Float16Module(model.config, model) if dtype == torch.bfloat16 else model
 
 
@@ -146,36 +149,77 @@ def _global_norm(grads: dict, model) -> float:
     return float((sharded + replicated).sqrt())
 
 
+def document_mask(seq: int) -> torch.Tensor:
+    """Megatron-LM's mask under ``--reset-attention-mask``: causal within each document, nothing across
+    (documents of 10, 11 and 11 tokens at 32: boundaries on both sides of the copies' split)."""
+    starts = torch.tensor([0, seq * 5 // 16, seq * 21 // 32])
+    document = torch.bucketize(torch.arange(seq), starts, right=True)
+    position = torch.arange(seq)
+    return ((position[None, :] > position[:, None]) | (document[None, :] != document[:, None]))[None, None]
+
+
+@contextlib.contextmanager
+def softmax_watch(found: dict):
+    """Every score matrix Megatron's softmax sees (a non-square one: ``found["nonsquare"]``) and every
+    device-to-host read of a mask's classification (``found["mask_reads"]``)."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+
+    from coc_inject.context_parallel import masks
+
+    original, read = FusedScaleMaskSoftmax.forward, masks._read
+    found.update(nonsquare=[], mask_reads=0)
+
+    def forward(self, input, mask, *args, **kwargs):
+        if input.shape[-2] != input.shape[-1]:
+            found["nonsquare"].append(tuple(input.shape))
+        return original(self, input, mask, *args, **kwargs)
+
+    def counted(flags):
+        found["mask_reads"] += 1
+        return read(flags)
+
+    FusedScaleMaskSoftmax.forward, masks._read = forward, counted
+    try:
+        yield
+    finally:
+        FusedScaleMaskSoftmax.forward, masks._read = original, read
+
+
 def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp: int = 2, cp: int = 1, ep: int = 1,
-          steps: int = 3, b: int = 4, seq: int = 32, vocab: int = 128) -> dict:
+          steps: int = 3, b: int = 4, seq: int = 32, vocab: int = 128, mask: str = "causal", heads: int = 4,
+          softmax_fusion: bool = False) -> dict:
     """``steps`` steps of the GPT (``kind``: "dense" or "moe") under Megatron's GPU defaults (module
     docstring) with coc-inject's wings as ``coc`` arms them (None: off). Each rank's data-parallel
-    replica takes its own batch."""
+    replica takes its own batch. ``mask``: "causal" or "document" (document_mask)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from coc_inject import job
 
-    with cpu_streams(), fused_wgrad.installed(), contextlib.ExitStack() as undo:
+    watched: dict = {}
+    with cpu_streams(), fused_wgrad.installed(), fused_softmax.installed(), contextlib.ExitStack() as undo:
         undo.callback(job.uninstall)
         _install(coc, tp, cp, ep)
-        model = _model(kind, tp, cp, ep, DTYPES[dtype], seq, vocab)
+        undo.enter_context(softmax_watch(watched))
+        model = _model(kind, tp, cp, ep, DTYPES[dtype], seq, vocab, heads, softmax_fusion)
         ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
             overlap_grad_reduce=True, use_distributed_optimizer=True, grad_reduce_in_fp32=True))
         watch = undo.enter_context(TrialWatch(model, ddp))
         causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+        if mask == "document":
+            causal = document_mask(seq)
         data_rank = parallel_state.get_data_parallel_rank()
         losses, norms, grads = [], [], []
         for step in range(steps):
             tokens, labels = cp_gpt_cases.batch(1000 * data_rank + step, b, seq, vocab)
             positions = torch.arange(seq).unsqueeze(0).expand(b, seq)
-            mask = causal
+            step_mask = causal
             if cp > 1:
                 rank = parallel_state.get_context_parallel_rank()
                 tokens, labels, positions = (cp_gpt_cases.cp_slice(t, 1, cp, rank) for t in (tokens, labels, positions))
-                mask = cp_gpt_cases.cp_slice(causal, 2, cp, rank)
+                step_mask = cp_gpt_cases.cp_slice(causal, 2, cp, rank)
             ddp.zero_grad_buffer()
-            loss = ddp(tokens, positions, mask, labels=labels).float().sum() / (b * seq)
+            loss = ddp(tokens, positions, step_mask, labels=labels).float().sum() / (b * seq)
             loss.backward()
             ddp.finish_grad_sync()
             reduced = _reduced_gradients(ddp, model)
@@ -188,12 +232,13 @@ def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp:
             losses.append(float(total))
             grads.append(reduced)
         fused_calls = len(fused_wgrad.calls)
+        softmax_calls = sorted({name for name, _ in fused_softmax.calls})
         routes = _routes(model)
         decisions = [f"{wing}: {decision.describe(key)}" for wing, tuner in job.current().tuners.items()
                      for key, decision in tuner.decisions.items()] if job.current() is not None else []
     return {"losses": losses, "norms": norms, "grads": grads, "fused_calls": fused_calls, "routes": routes,
             "decisions": decisions, "trials": watch.trials, "trial_changes": watch.changes,
-            "fused_in_trials": watch.fused_inside}
+            "fused_in_trials": watch.fused_inside, "softmax_calls": softmax_calls, **watched}
 
 
 def _routes(model) -> dict:

@@ -86,3 +86,32 @@ def test_moe_auto_trains_as_off(pool):
     """TP 2 SP x EP 2 MoE GPT: COC_MOE_OVERLAP=auto and the dense wings on auto."""
     got = train(pool, coc={"moe_overlap": "auto", "parallel_num": AUTO}, kind="moe", ep=2)
     assert_same(got, reference(pool, kind="moe", ep=2), "fp32")
+
+
+# Megatron's fused softmax on (tests/fakes/fused_softmax.py) at micro-batch 1: sequence copies. 16 heads at
+# TP 2 and 32 tokens fit its fused causal kernel (8 score rows per CUDA block), which ignores the mask
+# tensor: Megatron runs causal, the copies run causal without reading the mask. 4 heads do not fit:
+# Megatron's torch softmax applies the document mask, and the copies step aside with the reason.
+FUSED_SOFTMAX_CASES = [("causal", 16, None), ("document", 16, None),
+                       ("document", 4, "padding or document mask Megatron's softmax applies")]
+
+
+@pytest.mark.parametrize("mask, heads, refused", FUSED_SOFTMAX_CASES, ids=["causal", "document", "document-applied"])
+def test_bf16_sequence_copies_with_megatrons_fused_softmax(pool, mask, heads, refused):
+    """Issue 41, items 4, 6, 8: within the bf16 bound or Megatron's block with the reason; Megatron's
+    softmax never sees a non-square score matrix; no mask read where Megatron ignores the mask."""
+    options = dict(dtype="bf16", b=1, mask=mask, heads=heads, softmax_fusion=True, steps=2)
+    got = train(pool, coc={"multi_copy": 2}, **options)
+    want = reference(pool, **options)
+    fused = heads == 16
+    for rank, (g, w) in enumerate(zip(got, want)):
+        assert g["nonsquare"] == [] and w["nonsquare"] == [], (rank, g["nonsquare"])
+        assert ("scaled_upper_triang_masked_softmax_cuda" in w["softmax_calls"]) == fused, w["softmax_calls"]
+        reasons = g["routes"].get("_coc_multi_copy", [])
+        if refused is None:
+            assert not any("cannot run" in r for r in reasons), (rank, reasons)
+            assert g["mask_reads"] == 0, rank  # the fused causal kernel ignores the mask: nothing to read
+        else:
+            assert reasons and all(refused in r for r in reasons), (rank, reasons)
+            assert g["mask_reads"] == 1, rank  # one mask tensor for every step: read once
+    assert_same(got, want, "bf16", trials=False)

@@ -23,8 +23,13 @@ def test_causal_mask_tensor_rope_and_gqa(pool):
 
 
 @newest_only
-def test_padding_mask_runs_megatrons_attention_on_the_keys_so_far(pool):
-    run(pool, tp=2, sp=True, b=1, mask="padding")
+def test_a_padding_mask_megatron_applies_runs_megatrons_block_with_the_reason(pool):
+    """fp32: Megatron's softmax applies the mask; the copies' attention over parts runs causal blocks only,
+    and Megatron's attention never sees a copy's non-square score matrix (issue 41, item 4)."""
+    got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, sp=True, b=1, steps=1, mask="padding")
+    assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and "padding or document mask" in r["routes"][0][1]
+               for r in got), [r["routes"] for r in got]
+    assert_same_training(got, reference(pool, tp=2, sp=True, b=1, steps=1, mask="padding"))
 
 
 @newest_only

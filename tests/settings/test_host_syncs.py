@@ -14,27 +14,40 @@ from tests.settings.package_calls import calls, method_name, torch_function
 SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "synchronize", "any", "all", "nonzero", "unique", "masked_select"}
 SYNC_FUNCTIONS = {"equal", "allclose", "nonzero", "unique", "masked_select"}
 
-# (module under coc_inject/ or a folder ending in "/", enclosing function or "*", call, why it may stay)
-ALLOWED = [
-    ("selftest/", "*", "*", "coc-inject selftest compares against its truth: no job runs it"),
-    ("testbed/cpu.py", "gloo_split_lists.all_to_all_single", "tolist",
-     "the test bed's CPU ranks: gloo takes split sizes as lists; never applied in a job"),
-    ("timer.py", "synchronize", "synchronize",
-     "the timer: auto's timed trials (once per shape, at its first call), the bench, self-test and tune"),
-    ("measure/exposure.py", "Exposure.finish", "synchronize",
-     "COC_MEASURE's device events at the process's end, once: the last steps' records resolved for the report"),
-    ("timer.py", "Timer.__call__", "synchronize", "the bench's timings (device events): no job runs it"),
-    ("timer.py", "slowest", "tolist", "the MAX over ranks of timings: auto's once per shape, the bench's"),
-    ("pipeline/agreement.py", "ensure_same_config", "tolist",
-     "the config fingerprints, once per process group (a dict lookup after)"),
-    ("context_parallel/attention.py", "_mask_is_causal", "any", "once per attention mask tensor (then cached)"),
-    ("context_parallel/attention.py", "_mask_is_causal", "equal", "once per attention mask tensor (then cached)"),
-    ("multi_copy/sequence.py", "mask_kind", "all",
-     "once per attention mask tensor (then cached), for a block call planned as sequence copies"),
-    ("moe/counts.py", "split", "tolist",
-     "per MoE call, on the host tensor Megatron's own device-to-host copy brought and its sync point waited for"),
-]
+# How often each listed read runs in a training job (issue 41, item 6): a reason must say which, and
+# none may be PER_CALL -- a read once per layer or block call undoes the overlap on a GPU. A mask
+# tensor is fresh each micro-batch in Megatron-LM, so PER_MASK is allowed only where Megatron itself
+# applies the mask (masks.megatron_ignores_mask: its fused causal softmax leaves it unread, and so do we).
+NOT_IN_A_JOB = "never in a training job"
+PER_PROCESS = "once per process"
+PER_GROUP = "once per process group"
+PER_SHAPE = "once per call shape"
+PER_MASK = "once per mask tensor"
+HOST_TENSOR = "per call, of a host tensor: no device read"
+PER_CALL = "per call"
+FREQUENCIES = (NOT_IN_A_JOB, PER_PROCESS, PER_GROUP, PER_SHAPE, PER_MASK, HOST_TENSOR, PER_CALL)
 
+# (module under coc_inject/ or a folder ending in "/", enclosing function or "*", call, frequency, why)
+ALLOWED = [
+    ("selftest/", "*", "*", NOT_IN_A_JOB, "coc-inject selftest compares against its truth"),
+    ("testbed/cpu.py", "gloo_split_lists.all_to_all_single", "tolist", NOT_IN_A_JOB,
+     "the test bed's CPU ranks: gloo takes split sizes as lists"),
+    ("timer.py", "synchronize", "synchronize", PER_SHAPE,
+     "the timer: auto's timed trials (at a shape's first call), the bench, self-test and tune"),
+    ("measure/exposure.py", "Exposure.finish", "synchronize", PER_PROCESS,
+     "COC_MEASURE's device events at the process's end: the last steps' records resolved for the report"),
+    ("timer.py", "Timer.__call__", "synchronize", NOT_IN_A_JOB, "the bench's timings (device events)"),
+    ("timer.py", "slowest", "tolist", PER_SHAPE, "the MAX over ranks of timings: auto's, the bench's"),
+    ("pipeline/agreement.py", "ensure_same_config", "tolist", PER_GROUP,
+     "the config fingerprints (a dict lookup after)"),
+    ("context_parallel/masks.py", "_read", "tolist", PER_MASK,
+     "an attention mask Megatron's softmax applies (fp32, no fusion, > 4096 keys, a non-causal layer): "
+     "classified in one read, cached by the tensor's identity and version; never where Megatron ignores it"),
+    ("context_parallel/masks.py", "classify", "*", PER_MASK,
+     "device reductions (.all / .any), no read: the one read of their flags is _read's"),
+    ("moe/counts.py", "split", "tolist", HOST_TENSOR,
+     "the host tensor Megatron's own device-to-host copy brought and its sync point waited for"),
+]
 
 def _sync_sites() -> list:
     found = []
@@ -48,7 +61,7 @@ def _sync_sites() -> list:
 
 
 def _allows(entry, site, name) -> bool:
-    module, function, call, _ = entry
+    module, function, call, _, _ = entry
     in_module = site.module.startswith(module) if module.endswith("/") else site.module == module
     return in_module and function in ("*", site.function) and call in ("*", name)
 
@@ -63,3 +76,33 @@ def test_every_host_sync_in_the_package_is_listed_with_its_reason():
 @pytest.mark.parametrize("entry", ALLOWED, ids=[f"{e[0]}:{e[1]}:{e[2]}" for e in ALLOWED])
 def test_every_listed_sync_still_exists(entry):
     assert any(_allows(entry, site, name) for site, name in _sync_sites()), f"stale entry, remove it: {entry}"
+
+
+def test_every_listed_sync_states_how_often_and_none_runs_per_call():
+    unknown = [entry for entry in ALLOWED if entry[3] not in FREQUENCIES]
+    assert not unknown, f"an entry's frequency is not one of {FREQUENCIES}: {unknown}"
+    per_call = [entry for entry in ALLOWED if entry[3] == PER_CALL]
+    assert not per_call, ("a host read per layer or block call (on a GPU it stops the host each call): keep it "
+                          f"off that path, or read what Megatron already brought to the host: {per_call}")
+
+
+def test_two_masks_at_one_address_get_their_own_verdicts():
+    """Issue 41, item 5: Megatron-LM makes a fresh mask each micro-batch and the allocator reuses the
+    address; the verdict is the tensor's, never its address's."""
+    import torch
+
+    from coc_inject.context_parallel import attention, masks
+    from coc_inject.context_parallel.attention import LayerCP, Variant
+
+    seq = 8
+    causal = torch.ones(1, 1, seq, seq, dtype=torch.bool).triu(1)
+    buffer = causal.clone()
+    first = torch.empty(0, dtype=torch.bool).set_(buffer.untyped_storage(), 0, buffer.shape, buffer.stride())
+    plan = LayerCP(1, None, (Variant("local"),), None)
+    assert attention._mask_is_causal(plan, first, (0,), seq) is True
+    second = torch.empty(0, dtype=torch.bool).set_(buffer.untyped_storage(), 0, buffer.shape, buffer.stride())
+    with torch.no_grad():
+        buffer.untyped_storage().copy_(torch.zeros_like(buffer).untyped_storage())  # second: hides nothing
+    assert second.data_ptr() == first.data_ptr() and second._version == first._version
+    assert attention._mask_is_causal(plan, second, (0,), seq) is False
+    assert masks.classify(second, (0,), seq, seq) == masks.NONE
