@@ -144,7 +144,7 @@ def compare(kind, *, chunks, sequence_parallel=False, bias=True, skip_bias_add=F
     level = log.logger.level
     log.logger.setLevel(logging.DEBUG)
     try:
-        # The first CoC call also runs the once-per-group config agreement (one all_gather);
+        # The first CoC call also runs the once-per-group config agreement (through the store);
         # count the second call, and check the two are bitwise identical (determinism).
         first, _, _ = run_layer(layer, x, forward_kwargs)
         calls_before = linears.engine().calls
