@@ -38,8 +38,6 @@ ALLOWED = [
      "COC_MEASURE's device events at the process's end: the last steps' records resolved for the report"),
     ("timer.py", "Timer.__call__", "synchronize", NOT_IN_A_JOB, "the bench's timings (device events)"),
     ("timer.py", "slowest", "tolist", PER_SHAPE, "the MAX over ranks of timings: auto's, the bench's"),
-    ("pipeline/agreement.py", "ensure_same_config", "tolist", PER_GROUP,
-     "the config fingerprints (a dict lookup after)"),
     ("context_parallel/masks.py", "_read", "tolist", PER_MASK,
      "an attention mask Megatron's softmax applies (fp32, no fusion, > 4096 keys, a non-causal layer): "
      "classified in one read, cached by the tensor's identity and version; never where Megatron ignores it"),
