@@ -205,3 +205,29 @@ def test_auto_tries_at_most_2_sequence_copies_at_cp_above_1():
 
     assert auto.candidates(2, True, False, rows=8, most=2) == [1, 2]
     assert auto.candidates(2, True, False, rows=8) == [1, 2, 4]
+
+
+def test_copies_attention_accumulates_dq_over_key_blocks_in_fp32():
+    """Issue 41, item 7: a bf16 sum over the key blocks rounds at each one (1 + 3 * 2**-9 stays 1.0 in
+    bf16); the copies accumulate in fp32, as the CP schedules do, and cast once (1.0078125)."""
+    import torch
+
+    from coc_inject.multi_copy.meeting import CopiesAttention, _to_kernel
+
+    class Steps:
+        name, calls = "steps", 0
+
+        def forward(self, q, k, v, scale, causal):
+            return torch.zeros_like(q), torch.zeros(q.shape[:-1])
+
+        def backward(self, dout, q, k, v, out, lse, scale, causal):
+            self.calls += 1
+            return torch.full_like(q, 1.0 if self.calls == 1 else 2.0 ** -9), torch.zeros_like(k), torch.zeros_like(v)
+
+    def leaf():
+        return torch.zeros(4, 1, 1, 2, dtype=torch.bfloat16, requires_grad=True)
+
+    q, kv = leaf(), [leaf() for _ in range(8)]
+    earlier = [(k, v, _to_kernel(k), _to_kernel(v)) for k, v in zip(kv[0:6:2], kv[1:6:2])]
+    CopiesAttention.apply(q, kv[6], kv[7], Steps(), 1.0, earlier, *kv[:6]).sum().backward()
+    assert q.grad.float().unique().tolist() == [1.0078125]
