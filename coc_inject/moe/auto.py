@@ -1,6 +1,12 @@
 """``COC_MOE_OVERLAP=auto``: per MoE layer shape, pieces (and how many chunks per local expert) or
 Megatron's dispatcher, decided at the shape's first call and the same on every rank of the EP group.
 
+The shape leaves out the rank's token count: the expert groups span data-parallel ranks, whose
+micro-batches may hold other sequence lengths (variable-length fine-tuning), so a per-token-count key
+would be new on one rank and known on another, and only the first would run the trials' collectives
+(a hang on NCCL). Without it every rank of the group reaches the key's first call at the same call,
+the layer's first (#41 item 8); the trials time each rank's own rows.
+
 The tuner of every ``auto`` (coc_inject.tuning.online.Tuner.decide) runs the trials in the experts'
 place of that first call: Megatron's dispatch / experts / combine (the baseline) and the pieces at
 each chunk count, forward and backward on detached copies of the call's permuted rows, gradients
@@ -18,13 +24,14 @@ import torch
 
 MEGATRON = "megatron"  # the baseline candidate: Megatron's dispatcher (a name: the cache keeps counts >= 1)
 CHUNKS = (1, 2, 4, 8)  # chunks per local expert tried beside it
+ANY_TOKENS = 0  # a key's token count: whatever each rank of the group holds (module docstring)
 
 
 @dataclass(frozen=True)
 class MoEKey:
     WARM_UPS: ClassVar[int] = 1
 
-    tokens: int  # this rank's tokens into the layer (before routing)
+    tokens: int  # ANY_TOKENS in a job (module docstring); a tune target's tokens in coc-inject tune's rows
     hidden: int
     ffn: int
     topk: int
@@ -35,7 +42,8 @@ class MoEKey:
     backward: bool
 
     def text(self) -> str:
-        return (f"MoE [{self.tokens}, {self.hidden}] ffn {self.ffn} top-{self.topk} of {self.experts} experts "
+        tokens = "any tokens" if self.tokens == ANY_TOKENS else self.tokens
+        return (f"MoE [{tokens}, {self.hidden}] ffn {self.ffn} top-{self.topk} of {self.experts} experts "
                 f"EP{self.ep} {self.dtype} {self.device}" + ("" if self.backward else " forward-only"))
 
     def cache_fields(self) -> list:
@@ -52,7 +60,7 @@ class MoEKey:
 
 def key_of(layer, hidden_states: torch.Tensor) -> MoEKey:
     config = layer.config
-    return MoEKey(hidden_states.numel() // hidden_states.shape[-1], hidden_states.shape[-1],
+    return MoEKey(ANY_TOKENS, hidden_states.shape[-1],
                   config.moe_ffn_hidden_size or config.ffn_hidden_size, config.moe_router_topk,
                   config.num_moe_experts, layer.token_dispatcher.ep_size,
                   str(hidden_states.dtype).replace("torch.", ""), hidden_states.device.type,

@@ -33,7 +33,7 @@ class CopiesKey:
     # arenas still growing); one such run among the timed ones can hide a real gain in the noise.
     WARM_UPS: ClassVar[int] = 2
 
-    seq: int  # this rank's rows of the hidden states (after SP / CP)
+    seq: int  # this rank's rows of the hidden states (after SP / CP); 0: any (an MoE block, key_for)
     batch: int
     hidden: int
     layers: int
@@ -47,7 +47,7 @@ class CopiesKey:
     candidates: tuple  # what the trials choose among (a cached choice is only valid for the same)
 
     def text(self) -> str:
-        return (f"block [{self.seq}, {self.batch}, {self.hidden}] x {self.layers} layers {self.dtype} TP{self.tp}"
+        return (f"block [{self.seq or 'any'}, {self.batch}, {self.hidden}] x {self.layers} layers {self.dtype} TP{self.tp}"
                 + (f" CP{self.cp}" if self.cp > 1 else "") + (" SP" if self.sequence_parallel else "")
                 + f" {self.device} {self.split} split" + ("" if self.backward else " forward-only"))
 
@@ -101,7 +101,11 @@ def key_for(block, hidden, split, choices: list) -> CopiesKey:
     config = block.config
     recompute = getattr(config, "recompute_granularity", None) is not None
     backward = torch.is_grad_enabled() and hidden.requires_grad and not recompute
-    return CopiesKey(hidden.shape[0], hidden.shape[1], hidden.shape[2], len(block.layers),
+    # An MoE block's trials agree over data-parallel ranks too (trial_group), whose micro-batches may
+    # hold other sequence lengths: its key leaves the sequence out, so that every rank of the group
+    # meets the key's first call at the same call (moe/auto.py's docstring; #41 item 8).
+    seq = 0 if copies_moe.moe_layers(block) else hidden.shape[0]
+    return CopiesKey(seq, hidden.shape[1], hidden.shape[2], len(block.layers),
                      str(hidden.dtype).replace("torch.", ""), config.tensor_model_parallel_size,
                      getattr(config, "context_parallel_size", 1), bool(config.sequence_parallel),
                      hidden.device.type, backward, split.kind, tuple(choices))

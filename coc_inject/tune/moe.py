@@ -76,8 +76,8 @@ def result(plan, measured: dict, entries: dict) -> dict:
     rows = []
     for target in dict.fromkeys(plan.moe):
         found = [(key, d) for key, d in measured["decisions"].items()
-                 if (key.tokens, key.hidden, key.ffn, key.experts, key.topk)
-                 == (target.tokens, target.hidden, target.ffn, target.experts, target.topk) and key.backward]
+                 if (key.hidden, key.ffn, key.experts, key.topk)  # a job's key holds any token count
+                 == (target.hidden, target.ffn, target.experts, target.topk) and key.backward]
         if not found:
             raise SystemExit(f"coc-inject tune: the MoE wing made no decision for {target.text()}: the layer ran "
                              "Megatron's dispatcher before tuning (COC_LOG_LEVEL=debug says why)")

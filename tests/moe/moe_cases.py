@@ -371,3 +371,18 @@ def refusal_reasons() -> dict:
     reasons["flex"] = guards.layer_reason(layer)
     reasons["alltoall + SequentialMLP"] = guards.layer_reason(build_layer())
     return reasons
+
+
+def ragged_auto_case(tokens_by_rank, ep=2, experts=4, topk=2, hidden=16):
+    """COC_MOE_OVERLAP=auto over calls whose token counts differ between the ranks of an EP group
+    (data-parallel ranks with other sequence lengths): ``tokens_by_rank[rank]`` per call, each forward
+    and backward. Every rank must reach the decision at the same call (a per-token-count key would
+    send one rank into trials alone: a hang). Returns the decisions and each call's route."""
+    setup(ep, coc={"moe_overlap": "auto"})
+    layer = build_layer(experts=experts, topk=topk, hidden=hidden, ep=ep)
+    routes = []
+    for tokens in tokens_by_rank[dist.get_rank()]:
+        _step(layer, layer_input("random", tokens, hidden))
+        routes.append(route_of(layer))
+    decisions = job.current().decisions(job.MOE)
+    return {"decisions": [(key.text(), d.choice, d.source) for key, d in decisions.items()], "routes": routes}

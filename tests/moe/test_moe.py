@@ -106,6 +106,20 @@ def test_auto_with_expert_tensor_parallelism_decides_alike_across_the_expert_tp_
     assert all(r["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for r in results)
 
 
+@newest_only  # auto's keys: coc-inject's own logic
+def test_auto_decides_once_when_the_ranks_of_a_group_hold_other_token_counts(pool):
+    """Rank 0's first call holds fewer tokens than its EP peer's (another sequence length on another
+    data-parallel rank), its second as many: a key per token count would be new on rank 0 only at the
+    second call, its trials' collectives alone (a hang). One decision per layer shape, at the first call."""
+    tokens = [[16, 24, 8], [24, 24, 24], [24, 16, 24], [24, 24, 24]]
+    results = pool.run("tests.moe.moe_cases:ragged_auto_case", tokens_by_rank=tokens)
+    for group in ((0, 1), (2, 3)):
+        decisions = [results[rank]["decisions"] for rank in group]
+        assert len(decisions[0]) == 1 and decisions[1] == decisions[0], decisions
+        assert "any tokens" in decisions[0][0][0]
+        assert results[group[0]]["routes"] == results[group[1]]["routes"]
+
+
 _references: dict = {}
 
 
