@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from coc_inject.allowlist import check
 from coc_inject.routes import MegatronPath
 
 
@@ -42,12 +43,17 @@ TP_SIZE_1 = MegatronPath("tensor-parallel size 1: no collective to overlap", exp
 EXPERT_LAYER = MegatronPath("expert layer: its communication is done by the MoE token dispatcher", expected=True)
 CPU_OFFLOADING = MegatronPath("activation CPU offloading is active for this call")
 UNKNOWN_ARGUMENTS = MegatronPath("unknown forward arguments (newer Megatron?)")
-DEFERRED_WGRAD = MegatronPath("defer_embedding_wgrad_compute keeps its own wgrad buffers")
 NO_GRAD_REDUCE = MegatronPath("disable_grad_reduce: the caller reduces gradients itself", expected=True)
 NO_WEIGHT = MegatronPath("no weight supplied (skip_weight_param_allocation)")
 COLUMN_WITHOUT_SP = MegatronPath(
     "no sequence parallelism: forward has no communication and Megatron already overlaps the backward "
     "all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 chunks it)", expected=True)
+
+
+def _refused(layer, kind: str) -> MegatronPath | None:
+    """The allow-list's reason for this layer's config (coc_inject/allowlist), as a MegatronPath."""
+    why = check.refusal(layer.config, check.LINEARS, kind=kind)
+    return None if why is None else MegatronPath(why)
 
 
 def _weight_fallback(layer, weight, expected: tuple) -> MegatronPath | None:
@@ -79,7 +85,7 @@ def row_guards(layer, input_, args, kwargs) -> MegatronPath | None:
     """Why a RowParallelLinear call must take Megatron's path, or None."""
     if args or kwargs:
         return UNKNOWN_ARGUMENTS
-    path = _common_fallback(layer, input_) or _weight_fallback(
+    path = _refused(layer, "row") or _common_fallback(layer, input_) or _weight_fallback(
         layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
     if path is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
         path = MegatronPath(f"sequence length {input_.shape[0]} is not divisible by TP")
@@ -90,11 +96,9 @@ def column_guards(config, layer, input_, weight, args, kwargs) -> MegatronPath |
     """Why a ColumnParallelLinear call must take Megatron's path, or None."""
     if args or kwargs:
         return UNKNOWN_ARGUMENTS
-    path = _common_fallback(layer, input_)
+    path = _refused(layer, "column") or _common_fallback(layer, input_)
     if path is not None:
         return path
-    if layer.config.defer_embedding_wgrad_compute:
-        return DEFERRED_WGRAD
     if getattr(layer, "disable_grad_reduce", False):
         return NO_GRAD_REDUCE
     if not layer.sequence_parallel and not config.enable_coc_in_column_backward:
