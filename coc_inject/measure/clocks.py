@@ -22,6 +22,14 @@ def device_module(device_type: str):
     return getattr(torch, device_type, None)
 
 
+def capturing(device_type: str) -> bool:
+    """Whether the current stream of that device is being captured into a graph (CUDA graphs, an NPU
+    graph): an event recorded there would be replayed with the graph, not timed, so nothing is metered."""
+    module = device_module(device_type)
+    probe = getattr(module, "is_current_stream_capturing", None)
+    return bool(probe is not None and probe())
+
+
 class DeviceClock:
     """Events of one device kind (``module``: torch.cuda or torch.npu)."""
 

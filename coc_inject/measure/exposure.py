@@ -27,7 +27,7 @@ def in_range(step: int, steps) -> bool:
 class Exposure:
     def __init__(self, config, rank: int = 0):
         self.config, self.rank = config, rank
-        self.layers = Layers()
+        self.layers = Layers(lambda: self.recording)
         self.group_name = attribution.GroupNames()
         self.step = 1
         self._disarmed = False
@@ -82,6 +82,11 @@ class Exposure:
         return in_range(step, self.config.measure) or (self.config.trace_dir is not None
                                                        and in_range(step, self.config.trace_steps))
 
+    def _measured_later(self, step: int) -> bool:
+        """Whether ``step`` or a later one is measured or traced."""
+        ranges = [self.config.measure] + ([self.config.trace_steps] if self.config.trace_dir is not None else [])
+        return not self._disarmed and any(r is not None and (r[1] is None or step <= r[1]) for r in ranges)
+
     def arm(self) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -110,6 +115,11 @@ class Exposure:
             self._device_clock = clocks.DeviceClock(self._device_clock.module)  # the next step's anchor
         self.step += 1
         self.recording = self._measured(self.step)
+        if not self._measured_later(self.step):  # past every range: the hooks go, the wrappers call through
+            self.layers.uninstall()
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
         self._resolve(wait=False)
         self._begin = meter.now()  # the meter's own work here (sums, names, a trace) is no step's
 

@@ -1,7 +1,8 @@
 """Which layer a collective belongs to: the innermost module whose forward is running (forward), or
 the module whose forward built the running autograd node (backward, a recompute included).
 
-Only while measuring: two global module hooks. The pre-hook pushes the module on the calling
+Only while measuring: two global module hooks (outside the measured steps they only count forwards,
+and after the last measured or traced step they are removed). The pre-hook pushes the module on the calling
 thread's stack (a context variable: multi-copy's copies run in copies of the caller's context); the
 hook after the forward pops it and writes the module into the ``metadata`` of every autograd node its
 forward built that no inner module claimed (a walk from its outputs, stopped at nodes already
@@ -22,7 +23,8 @@ _stack: contextvars.ContextVar = contextvars.ContextVar("coc_measure_layers", de
 class Layers:
     """The module hooks of one meter, and the modules they saw (by id, weakly)."""
 
-    def __init__(self):
+    def __init__(self, recording=lambda: True):
+        self._recording = recording  # only a measured step's modules are stacked and claimed
         self._handles = []
         self.modules: dict = {}  # id -> weakref to the module
         self.forwards = 0  # module calls seen: a step has run a forward since the last optimizer step
@@ -41,7 +43,9 @@ class Layers:
         self._handles = []
 
     def _pre(self, module, args) -> None:
-        self.forwards += 1
+        self.forwards += 1  # counted every step: the optimizer hook tells a step's end by it
+        if not self._recording():
+            return
         key = id(module)
         known = self.modules.get(key)
         if known is None or known() is not module:  # new, or a dead module's id reused

@@ -87,8 +87,10 @@ def wrapper(exposure, name: str, original):
         if not exposure.recording or exposure.paused():
             return original(*args, **kwargs)
         tensors = list(_tensors(args, kwargs))
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         device = tensors[0].device.type if tensors else "cpu"
+        if device != "cpu" and clocks.capturing(device):  # a graph's capture: its replays are not timed here
+            return original(*args, **kwargs)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
         wing = attribution.issuer()
         phase = attribution.phase()
         group = exposure.group_name(_group(name, args, kwargs))

@@ -248,6 +248,41 @@ def test_a_step_range_records_only_its_steps(measured):
     assert exposure.report()["measured_steps"] == [2, 3]
 
 
+def test_module_hooks_claim_only_measured_steps_and_go_after_the_last(measured):
+    """Outside COC_MEASURE's range the module hooks only count forwards (no stack, no autograd node
+    claimed); past the range's end they and the optimizer hook are removed (#41 item 8)."""
+    exposure, network, model = measured(measure=(2, 2)), FakeNetwork(), Model()
+    all_reduce = metered.wrapper(exposure, "all_reduce", network.collective("all_reduce", 0.001))
+    claimed = []
+    for step in range(1, 5):
+        x = torch.ones(1, 2, requires_grad=True)
+        out = model.module(x)
+        claimed.append("coc_layer" in out.grad_fn.metadata)
+        all_reduce(torch.zeros(4))
+        for optimizer in model.optimizers:
+            optimizer.step()
+        if step == 2:
+            assert exposure.layers._handles == [] and exposure._step_hook is None
+    assert claimed == [False, True, False, False]
+    assert [row["step"] for row in exposure.per_step] == [2] and exposure.step == 3  # no step counted after
+
+
+def test_nothing_is_metered_while_a_device_graph_is_captured(measured, monkeypatch):
+    """A collective issued while the current stream is captured (CUDA graphs) is called through: no
+    event recorded (it would be replayed with the graph, not timed), no record (#41 item 8)."""
+    device = FakeDevice()
+    device.is_current_stream_capturing = lambda: True
+    monkeypatch.setattr(clocks, "device_module", lambda device_type: device if device_type == "meta" else None)
+    exposure = measured()
+    calls = []
+    all_reduce = metered.wrapper(exposure, "all_reduce", lambda tensor, **kwargs: calls.append(tensor))
+    all_reduce(torch.empty(4, device="meta"))
+    assert len(calls) == 1 and device.calls == [] and exposure.issued == 0
+    device.is_current_stream_capturing = lambda: False
+    all_reduce(torch.empty(4, device="meta"))
+    assert len(calls) == 2 and exposure.issued == 1 and "record" in device.names()
+
+
 @pytest.fixture
 def said():
     """The meter's log lines (INFO and above) while the test runs."""
