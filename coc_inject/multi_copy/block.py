@@ -49,12 +49,33 @@ class CopiesRunner:
         """A tensor in Megatron's layout (the input, the output's gradient) as the copies' pieces."""
         return _pieces(self.layout.to_copies(tensor), self.split.dim, self.split.sizes)
 
+    @contextlib.contextmanager
+    def running(self):
+        """Everything the copies of this block need while they compute forward, entered here alone, by
+        the block's forward (auto's trials go through it too) and by a recomputed chunk's forward
+        (recompute.py): the column linears' cut marks, the collectives' interception, each MoE layer's
+        dispatcher per copy with its routers told the split (two copies sharing Megatron's dispatcher
+        overwrite each other's split sizes between its all-to-alls), and with a sequence split the
+        copies' meeting in the attention."""
+        block, split = self.block, self.split
+        answering = contextlib.nullcontext()
+        if split.kind == SEQUENCE:  # the copies meet in the attention (meeting.py)
+            answering = meeting.Meeting(split.copies, split.mask, _kernel_preference()).answering(block)
+        with cuts.marking(block), answering, collectives.INTERCEPTION.entered(), moe.per_copy(block, split):
+            yield
+
+    def run_copies(self, work: list, record_cuts: list | None, chunks: list | None) -> list:
+        """``work`` (one callable per copy) as copies taking turns inside :meth:`running`: their results.
+        ``record_cuts`` / ``chunks``: where the copies record their cut points / checkpointed chunks (None: not)."""
+        run = scheduler.CopyRun(self.split.copies, save=rng_state.save, restore=rng_state.restore,
+                                chunk_linears=self.split.chunk_linears)
+        run.cuts, run.chunks = record_cuts, chunks
+        with self.running():
+            return run.run(work)
+
     def forward(self, hidden: torch.Tensor, grad: bool):
         pieces = [piece.detach().contiguous().requires_grad_(grad) for piece in self.cut_up(hidden)]
         block, original = self.block, self.original
-        answering = contextlib.nullcontext()
-        if self.split.kind == SEQUENCE:  # the copies meet in the attention (meeting.py)
-            answering = meeting.Meeting(self.split.copies, self.split.mask, _kernel_preference()).answering(block)
         held_input = getattr(block, "input_tensor", None)
 
         def copy(index):
@@ -72,14 +93,9 @@ class CopiesRunner:
                 return output
             return run
 
-        run = scheduler.CopyRun(self.split.copies, save=rng_state.save, restore=rng_state.restore,
-                                chunk_linears=self.split.chunk_linears)
-        run.cuts = self.cuts if grad else None
-        run.chunks = self.chunks if grad and self.split.kind != SEQUENCE else None  # else Megatron's recompute
+        chunks = self.chunks if grad and self.split.kind != SEQUENCE else None  # else Megatron's recompute
         try:
-            with cuts.marking(block), answering, collectives.INTERCEPTION.entered(), \
-                    moe.per_copy(block, self.split):
-                outputs = run.run([copy(i) for i in range(self.split.copies)])
+            outputs = self.run_copies([copy(i) for i in range(self.split.copies)], self.cuts if grad else None, chunks)
         finally:
             if not block.pre_process:
                 block.input_tensor = held_input
@@ -92,8 +108,7 @@ class CopiesRunner:
         grads = [piece.contiguous() for piece in self.cut_up(grad_output)]
         with collectives.INTERCEPTION.entered():
             if any(self.chunks):  # full recompute: stretch by stretch, the recomputed forward as copies
-                grad_pieces, grad_params = recompute.backward(self.block, pieces, outputs, grads, self.cuts, self.chunks,
-                                                              params, self.split.chunk_linears)
+                grad_pieces, grad_params = recompute.backward(self, pieces, outputs, grads, params)
             else:
                 grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
                                                              self.split.chunk_linears)

@@ -14,8 +14,9 @@ per copy so that, summed over the copies, they are Megatron's for the whole micr
     copies meet after their counts' all-reduce (scheduler.CopyRun.meet, a program point of every
     copy) and each forms its loss with every copy's counts and token totals summed, over its own
     probabilities; the copies' losses sum to Megatron's and each one's gradient is Megatron's on its
-    tokens. The loss is formed in the forward only: under recompute (formed in the backward's
-    recompute, one copy at a time) the block runs without copies, with the reason.
+    tokens. Under full recompute it is formed in the chunks' recompute, again as copies taking turns
+    (recompute.py), where they meet alike; under Megatron's own recompute (selective ``moe``, one
+    copy at a time inside the backward) the block runs without copies, with the reason.
   - ``seq_aux_loss`` (a sum over whole sequences divided by the batch size): under a batch split each
     copy divides by the whole micro-batch's size; under a sequence split (copies hold parts of every
     sequence) the copies meet and combine each sequence's counts, as for the batch aux loss.
@@ -93,11 +94,17 @@ def _layer_reason(layer) -> str | None:
     if "global_aux_loss" in losses:
         return ("MoE layers with global_aux_loss (its running token count steps once per call: each copy "
                 "would count as a micro-batch)")
-    recompute = (getattr(config, "recompute_granularity", None) == "full"
-                 or "moe" in (getattr(config, "recompute_modules", None) or []))
-    if "aux_loss" in losses and recompute:
-        return ("MoE layers with the batch aux_loss under recompute (formed in the backward's recompute, one "
-                "copy at a time: the copies' token counts cannot be combined there)")
+    # The routing losses are formed where the router runs with grad: under recompute, in the recompute.
+    # A full recompute's chunks are recomputed as copies taking turns (recompute.py), where the copies
+    # meet; Megatron's own checkpoint (selective 'moe', distributed saved activations) recomputes one
+    # copy's node at a time inside the copies' backward, where they cannot.
+    one_at_a_time = (getattr(layer, "moe_layer_recompute", False)
+                     or (getattr(config, "recompute_granularity", None) == "full"
+                         and getattr(config, "distribute_saved_activations", False)))
+    if "aux_loss" in losses and one_at_a_time:
+        return ("MoE layers with the batch aux_loss under Megatron's own recompute (selective 'moe', or full "
+                "with distribute_saved_activations: formed one copy at a time inside the backward, where the "
+                "copies' token counts cannot be combined)")
     if z_loss and getattr(config, "calculate_per_token_loss", False):
         return "MoE layers with the z-loss and calculate_per_token_loss (the router scales it by the copy's tokens)"
     return None

@@ -5,7 +5,10 @@ Megatron's full recompute (``--recompute-granularity full``, methods ``uniform``
 runs chunks of layers through ``tensor_parallel.checkpoint``: the chunk's forward under no grad, and
 in the backward, per chunk, the forward again and a backward of its own. Inside a copy that
 backward would run one copy's chunk at a time, the copies' collectives in turn. So inside a copies'
-forward that records cuts, :func:`checkpoint` takes the call instead: the chunk's forward runs under
+forward that records cuts, :func:`checkpoint` takes a chunk's call instead (Megatron's block-chunk
+function alone, :data:`BLOCK_CHUNKS`: a sub-layer's checkpoint -- selective recompute of ``mlp``,
+``moe``, ``shared_experts``, ``core_attn`` -- is not a stretch of the residual stream, and runs as
+Megatron's inside the copies' backward, one copy's node at a time in its band): the chunk's forward runs under
 no grad as Megatron's does (each copy's RNG state kept for its recompute), and its output becomes a
 leaf of the copy's graph (:class:`Chunk` records how to recompute it). The block's backward
 (:func:`backward`) then goes from the block's output back, one stretch at a time, every copy at once:
@@ -13,8 +16,9 @@ leaf of the copy's graph (:class:`Chunk` records how to recompute it). The block
 * the stretch from the block's output to the last chunk's output (the final layer norm, with the
   ``block`` method the layers not recomputed, their cuts from the forward): in bands;
 * per chunk, last first: the chunk's forward again for every copy, as copies taking turns on
-  threads (scheduler.CopyRun, as the block's forward: the recomputed forward's collectives overlap
-  too), its cuts recorded; then that stretch's backward in bands, into the chunk's input;
+  threads inside the same scope as the block's forward (block.CopiesRunner.running: its MoE layers'
+  dispatchers per copy, the routers' losses formed per copy; the recomputed forward's collectives
+  overlap too), its cuts recorded; then that stretch's backward in bands, into the chunk's input;
 * the stretch from the first chunk's input back to the block's input, where there is one.
 
 The copies' threads only compute forward ops; autograd's own calls stay on the thread that runs the
@@ -29,9 +33,18 @@ from dataclasses import dataclass
 import torch
 
 from coc_inject import copy_context, rng_state
-from coc_inject.multi_copy import collectives, cuts, scheduler, segments
+from coc_inject.multi_copy import segments
 
 CHECKPOINT = ("megatron.core.tensor_parallel", "checkpoint")  # what Megatron's blocks call per chunk
+# The function TransformerBlock's full recompute checkpoints per chunk of layers, (module, qualname):
+# an allow-list -- any other checkpointed function runs Megatron's checkpoint.
+BLOCK_CHUNKS = frozenset({
+    # megatron-core 0.13.1, 0.16.1: TransformerBlock._checkpointed_forward's closure
+    ("megatron.core.transformer.transformer_block",
+     "TransformerBlock._checkpointed_forward.<locals>.custom.<locals>.custom_forward"),
+    # megatron-core 0.19.2: the same closure, moved to megatron/core/recompute.py
+    ("megatron.core.recompute", "checkpointed_forward.<locals>.custom.<locals>.custom_forward"),
+})
 
 
 @dataclass
@@ -43,6 +56,29 @@ class Chunk:
     args: tuple
     rng: tuple
     output: torch.Tensor
+
+
+# Selective recompute the copies run exactly: Megatron's checkpoint of a sub-layer, its node recomputed
+# inside the copies' backward, in its copy's band (an allow-list). Megatron's output-discarding ones
+# (layernorm, moe_act, mla_up_proj, gdn_norm_out) keep each call's checkpoint object on the module from
+# the checkpoint to the discard of its output, a collective later: the copies' turns would swap them.
+SELECTIVE = frozenset({"core_attn", "mlp", "moe", "shared_experts"})
+
+
+def reason(config) -> str | None:
+    """Why a block of ``config`` cannot run as copies under its recompute, or None."""
+    if getattr(config, "recompute_granularity", None) != "selective":
+        return None
+    other = sorted(set(getattr(config, "recompute_modules", None) or ()) - SELECTIVE)
+    if not other:
+        return None
+    return (f"selective recompute of {', '.join(other)} (Megatron keeps each call's output-discarding checkpoint "
+            "on the module until a later step discards the output: the copies' turns would swap them)")
+
+
+def is_block_chunk(function) -> bool:
+    """Is ``function`` a chunk of a TransformerBlock's layers, checkpointed by its full recompute?"""
+    return (getattr(function, "__module__", None), getattr(function, "__qualname__", None)) in BLOCK_CHUNKS
 
 
 def recording_run():
@@ -58,8 +94,8 @@ def checkpoint(original):
     def checkpoint(function, distribute_saved_activations, *args):
         run = recording_run()
         hidden = args[0] if args else None
-        if (run is None or distribute_saved_activations or not isinstance(hidden, torch.Tensor)
-                or not hidden.requires_grad or not torch.is_grad_enabled()
+        if (run is None or not is_block_chunk(function) or distribute_saved_activations
+                or not isinstance(hidden, torch.Tensor) or not hidden.requires_grad or not torch.is_grad_enabled()
                 or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args[1:])):
             return original(function, distribute_saved_activations, *args)
         saved = rng_state.save()
@@ -93,8 +129,9 @@ def _stretch(outputs, grads, starts, stretch_cuts, params, chunk_linears):
     return [g if same else r for same, g, r in zip(through, grads, got)], grad_params
 
 
-def _recompute(block, chunks: list, chunk_linears: bool) -> tuple:
-    """Every copy's chunk forward again, the copies taking turns, cuts recorded: (inputs, outputs, cuts)."""
+def _recompute(runner, chunks: list) -> tuple:
+    """Every copy's chunk forward again, the copies taking turns inside the block's copies' scope
+    (``runner``: block.CopiesRunner), cuts recorded: (inputs, outputs, cuts)."""
     n = len(chunks)
     inputs = [chunk.args[0].detach().requires_grad_(True) for chunk in chunks]
 
@@ -107,21 +144,20 @@ def _recompute(block, chunks: list, chunk_linears: bool) -> tuple:
         return run
 
     held = rng_state.save()
-    run = scheduler.CopyRun(n, save=rng_state.save, restore=rng_state.restore, chunk_linears=chunk_linears)
-    run.cuts = [[] for _ in range(n)]
+    recorded = [[] for _ in range(n)]
     try:
-        with cuts.marking(block), collectives.INTERCEPTION.entered():
-            outputs = run.run([copy(i) for i in range(n)])
+        outputs = runner.run_copies([copy(i) for i in range(n)], recorded, None)
     finally:
         rng_state.restore(held)  # the backward goes on from its own state, as Megatron's recompute does
-    return inputs, outputs, run.cuts
+    return inputs, outputs, recorded
 
 
-def backward(block, pieces, outputs, grads, forward_cuts, chunks, params=(), chunk_linears=True):
-    """The copies' backward of a block whose forward recorded ``chunks`` (one list per copy, forward
-    order): stretch by stretch (module docstring). Returns (each copy's input gradient, the parameters'
-    gradients summed over the copies and stretches, with ``params``)."""
-    n = len(pieces)
+def backward(runner, pieces, outputs, grads, params=()):
+    """The copies' backward of a block call (``runner``: its block.CopiesRunner) whose forward recorded
+    chunks (``runner.chunks``, one list per copy, forward order): stretch by stretch (module docstring).
+    Returns (each copy's input gradient, the parameters' gradients summed over the copies and
+    stretches, with ``params``)."""
+    n, chunks, forward_cuts, chunk_linears = len(pieces), runner.chunks, runner.cuts, runner.split.chunk_linears
     grad_params = [None] * len(params)
 
     def add(more):
@@ -133,7 +169,7 @@ def backward(block, pieces, outputs, grads, forward_cuts, chunks, params=(), chu
         chunk = [chunks[copy][index] for copy in range(n)]
         grads, more = _stretch(current, grads, [c.output for c in chunk], stretch_cuts, params, chunk_linears)
         add(more)
-        inputs, recomputed, recomputed_cuts = _recompute(block, chunk, chunk_linears)
+        inputs, recomputed, recomputed_cuts = _recompute(runner, chunk)
         grads, more = segments.backward(recomputed, grads, inputs, recomputed_cuts, params, chunk_linears)
         add(more)
         current, stretch_cuts = [c.args[0] for c in chunk], [[] for _ in range(n)]

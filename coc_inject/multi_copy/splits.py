@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from coc_inject.multi_copy import sequence
+from coc_inject.multi_copy import recompute, sequence
 from coc_inject.multi_copy.sequence import BATCH, SEQUENCE
 
 # Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
@@ -35,7 +35,8 @@ WITHOUT_COPIES = ("a micro-batch not divisible by the copies whose sequence cann
                   "see a later one, another attention)",
                   "dropout > 0",
                   "MoE layers with global_aux_loss, a capacity factor, sinkhorn routing, the batch aux_loss under "
-                  "recompute or a padding mask", "packed sequences",
+                  "Megatron's MoE recompute or a padding mask", "packed sequences",
+                  "selective recompute of layernorm, moe_act, mla_up_proj",
                   "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
                   "a torch whose autograd the copies' backward cannot rely on (checked at install)")
 
@@ -75,7 +76,7 @@ def block_reason(block, copies: int) -> str | None:
             return f"{flag} is on"
     if getattr(config, "enable_cuda_graph", False) or getattr(config, "cuda_graph_impl", "none") not in ("none", None):
         return "CUDA graphs are on"
-    return None  # MoE layers: multi_copy/moe.py's block_reason
+    return recompute.reason(config)  # MoE layers: multi_copy/moe.py's block_reason
 
 
 def plan(block, copies: int, arguments: dict) -> Split | str:

@@ -15,7 +15,7 @@ from coc_inject.config import AUTO, CocConfig
 from coc_inject.multi_copy import collectives as copies_collectives
 from coc_inject.multi_copy.forward import last_route
 from tests.moe import moe_cases
-from tests.multi_copy.multi_copy_cases import CollectiveRecorder, autograd_on_one_thread
+from tests.multi_copy.multi_copy_cases import CollectiveRecorder, _cpu_rng_for_recompute, autograd_on_one_thread
 
 # Each routing-loss type as a TransformerConfig's settings.
 ROUTING = {
@@ -26,6 +26,14 @@ ROUTING = {
                         moe_router_score_function="sigmoid", moe_router_bias_update_rate=0.05),
     "all": dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1, 0.05],
                 moe_z_loss_coeff=0.1),
+    # every loss and the expert bias at once (the recompute cases); without the batch aux_loss, which
+    # Megatron's own MoE recompute forms one copy at a time (such blocks step aside)
+    "every": dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1, 0.05],
+                  moe_z_loss_coeff=0.1, moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
+                  moe_router_bias_update_rate=0.05),
+    "every_but_aux_loss": dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.05,
+                               moe_z_loss_coeff=0.1, moe_router_enable_expert_bias=True,
+                               moe_router_score_function="sigmoid", moe_router_bias_update_rate=0.05),
     "global_aux_loss": dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1),
     "capacity": dict(moe_router_load_balancing_type="none", moe_expert_capacity_factor=1.0),
 }
@@ -74,6 +82,15 @@ def _tracker() -> dict:
     return values
 
 
+def _forget_tracker() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):  # 0.19
+        moe_utils.get_moe_metrics_tracker().metrics.clear()
+    else:  # 0.16
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+
+
 def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, vocab=64, record=False,
           poison=False, per_copy_losses=False, adam=False, **model):
     """``per_copy_losses``: each copy forms its routing losses as Megatron does for one batch (the
@@ -85,12 +102,12 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
 
     moe_cases.setup(2, tp=2)  # CoC off, Megatron's TP 2 x EP 2 state
     _install(copies, moe_overlap)
-    moe_cases._cpu_rng_for_recompute()
+    _cpu_rng_for_recompute()  # moe_cases' shim, and Transformer Engine's FP8 state off (selective 'layernorm')
     torch.manual_seed(7)
     gpt = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=2, tp=2, sp=True, **{**ROUTING[routing], **model})
     optimizer = torch.optim.Adam(gpt.parameters(), lr=1e-3) if adam else torch.optim.SGD(gpt.parameters(), lr=0.1)
     routers = [m for m in gpt.modules() if isinstance(m, TopKRouter)]
-    _tracker()  # what an earlier case on this worker logged and never cleared
+    _forget_tracker()  # what an earlier case on this worker logged, sized for its layer count
     result = {"losses": [], "tracker": [], "tokens_per_expert": [], "expert_bias": [],
               "tp_rank": parallel_state.get_tensor_model_parallel_rank()}
     recorder = CollectiveRecorder() if record else None

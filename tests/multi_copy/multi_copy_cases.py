@@ -68,6 +68,24 @@ def _cpu_rng_for_recompute() -> None:
 
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    if not getattr(megatron_random, "HAVE_TE", True):
+        # Megatron's output-discarding checkpoint (selective 'layernorm', 'moe_act') asks Transformer
+        # Engine's FP8 state whatever its fp8 flag (0.19: ``fp8 is not None``); a GPU job has TE, FP8 off.
+        megatron_random.FP8GlobalStateManager = _FP8Off
+        megatron_random.fp8_autocast = lambda enabled=False, fp8_recipe=None: contextlib.nullcontext()
+        megatron_random.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
+
+
+class _FP8Off:
+    """Transformer Engine's FP8GlobalStateManager with FP8 off (test-only stand-in)."""
+
+    @staticmethod
+    def is_fp8_enabled() -> bool:
+        return False
+
+    @staticmethod
+    def get_fp8_recipe():
+        return None
 
 
 @contextlib.contextmanager
