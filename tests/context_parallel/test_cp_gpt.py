@@ -142,7 +142,7 @@ def error_of(pool, **kwargs):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(attention_dropout=0.1), "attention dropout 0.1"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1 is refused by context-parallel attention"),
     (dict(heads=2, groups=2, coc={"cp_algo": "ulysses"}, cp=4), "num_attention_heads=2"),
     (dict(coc={"cp_algo": "hybrid"}, cp=4), "COC_CP_ULYSSES_DEGREE"),
     # No Ulysses degree can split CP 2: the error says what hybrid needs, not to set a degree.
