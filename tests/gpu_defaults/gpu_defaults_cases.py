@@ -7,7 +7,13 @@ Megatron's GPU defaults, not the ones the CPU makes easiest:
   stand-in, which checks the kernel's call contract and computes the true sum);
 * **Megatron's DDP** with ``overlap_grad_reduce`` and ``use_distributed_optimizer`` (the gradient
   buckets reduce-scattered over the data-parallel group, in the backward), gradients in fp32;
-* **fp32 or bf16** parameters and activations.
+* **fp32 or bf16** parameters and activations;
+* **Megatron-LM's default fusions**: bias-GeLU (``bias_activation_fusion``: the fc1 linear hands its bias
+  to the fused function, ``skip_bias_add``), bias-dropout-add (``bias_dropout_fusion``: so does the
+  projection and fc2) and the fused masked softmax (``masked_softmax_fusion``: its CUDA extensions'
+  CPU stand-ins, tests/fakes/fused_softmax.py, where its shapes allow). The first two are
+  ``torch.compile``'d functions on a GPU; here they run eagerly (dynamo off for the case: the same
+  functions on the same path through Megatron's layers, without minutes of CPU compilation).
 
 The optimizer step is the distributed optimizer's for SGD: each rank's shard of every bucket is
 the reduced gradient; the shards are all-gathered (the parameters' all-gather of a sharded update)
@@ -105,12 +111,13 @@ def _model(kind: str, tp: int, cp: int, ep: int, dtype, seq: int, vocab: int, he
     stand-ins of tests/fakes/fused_softmax.py) where its shapes allow."""
     from megatron.core.transformer.module import Float16Module
 
-    fused = dict(gradient_accumulation_fusion=True, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    fused = dict(gradient_accumulation_fusion=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                 bias_dropout_fusion=True, masked_softmax_fusion=softmax_fusion)
     if kind == "moe":
         model = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, sp=tp > 1, context_parallel_size=cp, **fused)
-    else:
+    else:  # the dense MLP's GeLU with its bias fused (the MoE experts have no bias)
         model = cp_gpt_cases.build_gpt(tp, cp, seq=seq, vocab=vocab, sp=tp > 1, heads=heads,
-                                       masked_softmax_fusion=softmax_fusion, **fused)
+                                       bias_activation_fusion=True, **fused)
     return Float16Module(model.config, model) if dtype == torch.bfloat16 else model
 
 
@@ -187,7 +194,7 @@ def softmax_watch(found: dict):
 
 def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp: int = 2, cp: int = 1, ep: int = 1,
           steps: int = 3, b: int = 4, seq: int = 32, vocab: int = 128, mask: str = "causal", heads: int = 4,
-          softmax_fusion: bool = False) -> dict:
+          softmax_fusion: bool = True) -> dict:
     """``steps`` steps of the GPT (``kind``: "dense" or "moe") under Megatron's GPU defaults (module
     docstring) with coc-inject's wings as ``coc`` arms them (None: off). Each rank's data-parallel
     replica takes its own batch. ``mask``: "causal" or "document" (document_mask)."""
@@ -199,6 +206,9 @@ def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp:
     watched: dict = {}
     with cpu_streams(), fused_wgrad.installed(), fused_softmax.installed(), contextlib.ExitStack() as undo:
         undo.callback(job.uninstall)
+        held_dynamo = torch._dynamo.config.disable
+        torch._dynamo.config.disable = True  # Megatron's jit-fused functions eagerly (module docstring)
+        undo.callback(setattr, torch._dynamo.config, "disable", held_dynamo)
         _install(coc, tp, cp, ep)
         undo.enter_context(softmax_watch(watched))
         model = _model(kind, tp, cp, ep, DTYPES[dtype], seq, vocab, heads, softmax_fusion)
@@ -232,11 +242,13 @@ def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp:
             losses.append(float(total))
             grads.append(reduced)
         fused_calls = len(fused_wgrad.calls)
+        linear_calls = _linear_calls()
         softmax_calls = sorted({name for name, _ in fused_softmax.calls})
         routes = _routes(model)
         decisions = [f"{wing}: {decision.describe(key)}" for wing, tuner in job.current().tuners.items()
                      for key, decision in tuner.decisions.items()] if job.current() is not None else []
     return {"losses": losses, "norms": norms, "grads": grads, "fused_calls": fused_calls, "routes": routes,
+            "linear_calls": linear_calls,
             "decisions": decisions, "trials": watch.trials, "trial_changes": watch.changes,
             "fused_in_trials": watch.fused_inside, "softmax_calls": softmax_calls, **watched}
 
@@ -252,3 +264,12 @@ def _routes(model) -> dict:
             if route is not None:
                 found.setdefault(attribute, set()).add(getattr(route, "reason", None) or repr(route)[:80])
     return {wing: sorted(map(str, reasons)) for wing, reasons in found.items()}
+
+
+def _linear_calls() -> int:
+    """Linear calls the linears wing ran (chunked or fused) in this case; 0 without it."""
+    from coc_inject import job
+
+    installation = job.current()
+    engine = getattr(installation, "engine", None) if installation is not None else None
+    return getattr(engine, "calls", 0) if engine is not None else 0

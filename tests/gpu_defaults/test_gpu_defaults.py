@@ -70,22 +70,39 @@ def test_dense_wings_on_auto_train_as_off(pool, dtype):
 
 
 def test_bf16_copies_and_chunks_within_the_bf16_bound(pool):
-    """The bf16 bound with copies and chunks certainly running (auto may choose Megatron's path)."""
+    """The bf16 bound with copies and chunks certainly running (auto may choose Megatron's path), Megatron-LM's
+    default fusions on (bias-GeLU, bias-dropout-add, the fused softmax): both wings ran, none stepped aside."""
     got = train(pool, coc={"multi_copy": 2, "parallel_num": 4}, dtype="bf16", steps=4)
     assert_same(got, reference(pool, dtype="bf16", steps=4), "bf16", trials=False)
+    for rank, g in enumerate(got):
+        assert g["linear_calls"] > 0, rank
+        copies = g["routes"].get("_coc_multi_copy", [])
+        assert copies and all(r.startswith("CopiesRoute(copies=2,") for r in copies), (rank, copies)
 
 
-def test_context_parallel_auto_trains_as_ring(pool):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_context_parallel_auto_trains_as_ring(pool, dtype):
     """TP 2 x CP 2 with every dense wing on auto against CoC's ring alone (Megatron's local attention
     has no context parallelism to compare with)."""
-    got = train(pool, coc={"cp_algo": "auto", **EVERY_DENSE_WING}, cp=2)
-    assert_same(got, reference(pool, coc={"cp_algo": "ring"}, cp=2), "fp32")
+    got = train(pool, coc={"cp_algo": "auto", **EVERY_DENSE_WING}, cp=2, dtype=dtype)
+    assert_same(got, reference(pool, coc={"cp_algo": "ring"}, cp=2, dtype=dtype), dtype)
 
 
-def test_moe_auto_trains_as_off(pool):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_moe_auto_trains_as_off(pool, dtype):
     """TP 2 SP x EP 2 MoE GPT: COC_MOE_OVERLAP=auto and the dense wings on auto."""
-    got = train(pool, coc={"moe_overlap": "auto", "parallel_num": AUTO}, kind="moe", ep=2)
-    assert_same(got, reference(pool, kind="moe", ep=2), "fp32")
+    got = train(pool, coc={"moe_overlap": "auto", "parallel_num": AUTO}, kind="moe", ep=2, dtype=dtype)
+    assert_same(got, reference(pool, kind="moe", ep=2, dtype=dtype), dtype)
+
+
+def test_bf16_moe_pieces_and_chunks_run_within_the_bf16_bound(pool):
+    """The MoE pieces and the chunked linears certainly running in bf16 with the fusions on."""
+    got = train(pool, coc={"moe_overlap": "1", "parallel_num": 2}, kind="moe", ep=2, dtype="bf16")
+    assert_same(got, reference(pool, kind="moe", ep=2, dtype="bf16"), "bf16", trials=False)
+    for rank, g in enumerate(got):
+        assert g["linear_calls"] > 0, rank
+        moe = g["routes"].get("_coc_moe", [])
+        assert moe and all("pieces" in r or "chunks" in r for r in moe), (rank, moe)
 
 
 # Megatron's fused softmax on (tests/fakes/fused_softmax.py) at micro-batch 1: sequence copies. 16 heads at
