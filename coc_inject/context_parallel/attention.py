@@ -22,6 +22,7 @@ import logging
 import torch
 
 from coc_inject import attention_kernels, log
+from coc_inject.allowlist import check
 from coc_inject.context_parallel import layout, masks
 from coc_inject.context_parallel.function import ContextParallelAttention
 from coc_inject.context_parallel.schedule import ALLGATHER, HYBRID, LOCAL, RING, ULYSSES, make_schedule
@@ -96,16 +97,11 @@ class LayerCP:
 
 
 def unsupported_feature(megatron_config, attention_dropout) -> str | None:
-    """What of the layer's configuration the fused attention path cannot run exactly (None: all of it)."""
-    dropout = megatron_config.attention_dropout if attention_dropout is None else attention_dropout
-    unsupported = {
-        f"attention dropout {dropout} (set attention_dropout=0)": dropout and dropout > 0,
-        f"sliding-window attention (window_size={getattr(megatron_config, 'window_size', None)})":
-            getattr(megatron_config, "window_size", None) is not None,
-        f"softmax_type={getattr(megatron_config, 'softmax_type', 'vanilla')!r} (only 'vanilla')":
-            getattr(megatron_config, "softmax_type", "vanilla") != "vanilla",
-    }
-    return next((feature for feature, present in unsupported.items() if present), None)
+    """What of the layer's configuration the fused attention path cannot run exactly (None: all of it):
+    the config against context-parallel attention's allow-list (coc_inject/allowlist/context_parallel.py),
+    the layer's own attention_dropout argument in place of the config's."""
+    values = {} if attention_dropout is None else {"attention_dropout": attention_dropout}
+    return check.refusal(megatron_config, check.CONTEXT_PARALLEL, values=values)
 
 
 def plan_local(coc_config) -> LayerCP:
@@ -135,7 +131,7 @@ def plan_layer(coc_config, megatron_config, layer_number: int, cp_comm_type, att
         algorithm = coc_config.cp_algorithm
     feature = unsupported_feature(megatron_config, attention_dropout)
     if feature is not None:
-        raise ContextParallelError(f"{where} does not support {feature}")
+        raise ContextParallelError(f"{where}: {feature}")
     if cp_group is None or cp_group.size() != n:
         raise ContextParallelError(f"{where}: Megatron's context-parallel group is missing or not of size {n} "
                                    "(was initialize_model_parallel called with context_parallel_size?)")

@@ -106,7 +106,7 @@ def _flash_plan(config, layer, megatron_config, attention_dropout):
     feature = attention.unsupported_feature(megatron_config, attention_dropout)
     if feature is not None:
         log.once(("flash-attn-unsupported", feature), logging.WARNING,
-                 f"COC_FLASH_ATTN: layers with {feature} keep Megatron's local attention")
+                 f"COC_FLASH_ATTN: Megatron's local attention is kept: {feature}")
         return None
     plan = attention.plan_local(config)
     softmax_coefficient = getattr(layer.scale_mask_softmax, "scale", None) or 1.0

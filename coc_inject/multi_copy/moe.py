@@ -72,15 +72,6 @@ def _layer_reason(layer) -> str | None:
         return f"MoE layers with the {dispatcher} (its communication manager holds a call's state)"
     if hasattr(layer, "_inference_token_dispatcher"):
         return "MoE layers with Megatron's inference dispatcher (the layer swaps its dispatcher per call)"
-    for flag, why in (("moe_shared_expert_overlap", "the shared expert keeps a call's state between stages"),
-                      ("overlap_moe_expert_parallel_comm", "Megatron's own overlap of another micro-batch"),
-                      ("moe_input_jitter_eps", "random jitter: the copies would draw other numbers"),
-                      ("moe_router_force_load_balancing", "random logits: the copies would draw other numbers"),
-                      ("moe_router_force_biased", "random logits"),
-                      ("moe_expert_capacity_factor", "a capacity per copy, from its own token count"),
-                      ("moe_latent_size", "latent MoE")):
-        if getattr(config, flag, None) not in (None, False, 0):
-            return f"MoE layers with {flag} ({why})"
     if router is None or getattr(router, "router_replay", None) is not None:
         return "MoE layers with router replay or no router"
     routing = getattr(router, "routing_type", "none")

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from coc_inject.allowlist import check
+
 SEQUENCE, BATCH = "sequence", "batch"
 # The block's arguments sequence copies take: the hidden states (cut), the mask (each copy's attention
 # reads its rows, meeting.py), the rotary embeddings (each copy's positions).
@@ -34,9 +36,9 @@ def reason(block, batch: int, rows: int, copies: int, arguments: dict, seq: int)
     config = block.config
     why = f"micro-batch {batch} is not divisible by {copies} copies, and sequence copies cannot run: "
     cp = getattr(config, "context_parallel_size", 1) > 1
-    if getattr(config, "recompute_granularity", None) is not None:
-        return why + (f"{config.recompute_granularity} recompute (the recomputed attention would not reach the "
-                      "earlier copies' keys)")
+    refused = check.refusal(config, check.SEQUENCE_COPIES, training=block.training)  # coc_inject/allowlist
+    if refused is not None:
+        return why + refused
     if rows % copies:
         return why + f"{rows} rows of the sequence on this rank do not divide by {copies}"
     for layer in block.layers:
@@ -47,11 +49,6 @@ def reason(block, batch: int, rows: int, copies: int, arguments: dict, seq: int)
                           f"DotProductAttention ({type(core).__name__})")
         if type(getattr(layer, "cross_attention", None)).__name__ != "IdentityOp":
             return why + "cross-attention"
-        for feature, present in (("a sliding window", getattr(config, "window_size", None) is not None),
-                                 ("softmax_type " + str(getattr(config, "softmax_type", "vanilla")),
-                                  getattr(config, "softmax_type", "vanilla") != "vanilla")):
-            if present:
-                return why + feature
         if arguments.get("attention_mask") is None and getattr(core.attn_mask_type, "name", "") != "causal":
             return why + (f"attention mask type {getattr(core.attn_mask_type, 'name', '?')} without a mask (a copy "
                           "would need a later copy's keys)")

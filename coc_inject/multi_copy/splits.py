@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from coc_inject.allowlist import check
 from coc_inject.multi_copy import recompute, sequence
 from coc_inject.multi_copy.sequence import BATCH, SEQUENCE
 
@@ -38,6 +39,7 @@ WITHOUT_COPIES = ("a micro-batch not divisible by the copies whose sequence cann
                   "Megatron's MoE recompute or a padding mask", "packed sequences",
                   "selective recompute of layernorm, moe_act, mla_up_proj",
                   "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
+                  "a setting the allow-list refuses or does not classify (docs/settings-allowlist.md)",
                   "a torch whose autograd the copies' backward cannot rely on (checked at install)")
 
 
@@ -66,17 +68,9 @@ class Split:
 
 
 def block_reason(block, copies: int) -> str | None:
-    """Why ``block`` cannot run as copies at all (whatever the call), or None."""
-    config = block.config
-    if block.training and (config.hidden_dropout > 0 or config.attention_dropout > 0):
-        return (f"dropout > 0 (hidden {config.hidden_dropout}, attention {config.attention_dropout}): the copies would "
-                "draw their masks in another order")
-    for flag in ("fp8", "fp4", "cpu_offloading"):
-        if getattr(config, flag, None):
-            return f"{flag} is on"
-    if getattr(config, "enable_cuda_graph", False) or getattr(config, "cuda_graph_impl", "none") not in ("none", None):
-        return "CUDA graphs are on"
-    return recompute.reason(config)  # MoE layers: multi_copy/moe.py's block_reason
+    """Why ``block`` cannot run as copies at all (whatever the call), or None: its config against
+    multi-copy's allow-list (coc_inject/allowlist/multi_copy.py)."""
+    return check.refusal(block.config, check.MULTI_COPY, training=block.training)  # MoE: moe.py's block_reason
 
 
 def plan(block, copies: int, arguments: dict) -> Split | str:

@@ -218,8 +218,9 @@ def test_a_micro_batch_whose_sequence_cannot_split_either_runs_megatrons_block(p
     """Micro-batch 1 or 3 with 2 copies splits the sequence (test_sequence_copies.py); with selective
     recompute of the core attention it cannot (the recomputed attention would not reach the earlier
     copy's keys): Megatron's block, with the reason."""
-    reason = (f"micro-batch {b} is not divisible by 2 copies, and sequence copies cannot run: selective recompute "
-              "(the recomputed attention would not reach the earlier copies' keys)")
+    reason = (f"micro-batch {b} is not divisible by 2 copies, and sequence copies cannot run: "
+              "recompute_granularity='selective' is refused by sequence copies: recompute (the recomputed attention "
+              "would not reach the earlier copies' keys)")
     run(pool, want_routes=[(1, reason)], tp=2, sp=True, b=b, recompute_granularity="selective")
 
 
