@@ -70,7 +70,8 @@ class Split:
 def block_reason(block, copies: int) -> str | None:
     """Why ``block`` cannot run as copies at all (whatever the call), or None: its config against
     multi-copy's allow-list (coc_inject/allowlist/multi_copy.py)."""
-    return check.refusal(block.config, check.MULTI_COPY, training=block.training)  # MoE: moe.py's block_reason
+    return (check.refusal(block.config, check.MULTI_COPY, training=block.training)
+            or recompute.reason(block.config))  # MoE layers: multi_copy/moe.py's block_reason
 
 
 def plan(block, copies: int, arguments: dict) -> Split | str:
