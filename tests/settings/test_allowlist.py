@@ -84,7 +84,10 @@ def guard_reasons(config) -> dict:
     from coc_inject.moe import guards as moe_guards
     from coc_inject.multi_copy import sequence, splits
 
-    layer = types.SimpleNamespace(config=config, tp_group=None, token_dispatcher=None, experts=None)
+    layer = types.SimpleNamespace(config=config, tp_group=None, token_dispatcher=None, experts=None, weight=None,
+                                  bias=None, input_size=8, input_size_per_partition=8, output_size=8,
+                                  output_size_per_partition=8, sequence_parallel=False, input_is_parallel=True,
+                                  gather_output=False, skip_bias_add=False, gradient_accumulation_fusion=False)
     block = types.SimpleNamespace(config=config, training=True, layers=[])
     coc = types.SimpleNamespace(cp_algorithm="ring", cp_ulysses_degree=None, cp_window=1, cp_mask_type=None,
                                 attn_kernel="auto")
