@@ -3,7 +3,8 @@
 The **wing** is the innermost of coc-inject's wings on the stack (its engines issue the chunks, the
 ring's exchanges, the pieces), unless Megatron's own code issued it first: then it is Megatron's
 (``megatron tensor-parallel``, ``megatron moe``, ...), or multi-copy's where it ran inside copies (the
-copies are what hides Megatron's mappings). The interceptions in between (multi-copy's wrappers, the
+copies are what hides Megatron's mappings). coc-inject's own control traffic is ``coc-inject``; the
+job's own collectives are ``job <module>`` (the job's module nearest the call). The interceptions in between (multi-copy's wrappers, the
 bench's, this package's) are passed over. Only while measuring: a walk of ~30 frames per collective.
 """
 
@@ -13,6 +14,11 @@ import sys
 
 from coc_inject import copy_context
 
+# coc-inject's own control traffic (auto's cached-decision broadcast and its trials' barriers and MAX
+# over ranks; the settings agreement goes through the store): never a wing's communication. First: it
+# runs inside a wing's frames.
+CONTROL = ("coc_inject.tuning", "coc_inject.timer", "coc_inject.pipeline.agreement")
+COC_INJECT = "coc-inject"
 WINGS = (("coc_inject.linears", "linears"), ("coc_inject.pipeline", "linears"),
          ("coc_inject.context_parallel", "context_parallel"), ("coc_inject.attention_kernels", "context_parallel"),
          ("coc_inject.moe", "moe"), ("coc_inject.multi_copy", "multi_copy"))
@@ -35,6 +41,7 @@ def issuer(depth: int = 2) -> str:
     dispatcher calls the tensor-parallel mappings' all-to-all, which is the MoE layer's communication."""
     frame = sys._getframe(depth)
     owner = None  # the Megatron part found so far (its index in MEGATRON: lower = more specific)
+    job = None  # the first module of the job's own code (neither Megatron's, coc-inject's nor torch's)
     for _ in range(_DEPTH):
         if frame is None:
             break
@@ -45,21 +52,34 @@ def issuer(depth: int = 2) -> str:
                 owner = index if owner is None else min(owner, index)
             elif owner is not None:
                 break  # Megatron's code made the call
+            elif name.startswith(CONTROL):
+                return COC_INJECT
             else:
                 for prefix, wing in WINGS:
                     if name.startswith(prefix):
                         return wing
+                if job is None and name and not name.startswith("coc_inject"):
+                    job = name  # the job's own module nearest the call (its script is "__main__")
         frame = frame.f_back
     if copy_context.current() is not None:
         return "multi_copy"  # in copies: Megatron's collectives are the copies' to hide
-    return "other" if owner is None else MEGATRON[owner][1]
+    if owner is not None:
+        return MEGATRON[owner][1]
+    return f"job {job}" if job else "job"
 
 
-def phase() -> str:
-    """"backward" inside an autograd node (a full recompute's forward included), else "forward"."""
+OPTIMIZER_PARTS = ("megatron data-parallel", "megatron optimizer")
+
+
+def phase(wing: str = "") -> str:
+    """"backward" inside an autograd node (a full recompute's forward included); "optimizer" for
+    Megatron's data-parallel and optimizer collectives outside one (the gradients' reduce after the
+    backward, the parameters' gather); else "forward"."""
     import torch
 
-    return "backward" if torch._C._current_autograd_node() is not None else "forward"
+    if torch._C._current_autograd_node() is not None:
+        return "backward"
+    return "optimizer" if wing in OPTIMIZER_PARTS else "forward"
 
 
 GROUP_GETTERS = (("tp", "get_tensor_model_parallel_group"), ("cp", "get_context_parallel_group"),

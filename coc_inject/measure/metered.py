@@ -92,7 +92,7 @@ def wrapper(exposure, name: str, original):
             return original(*args, **kwargs)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         wing = attribution.issuer()
-        phase = attribution.phase()
+        phase = attribution.phase(wing)
         group = exposure.group_name(_group(name, args, kwargs))
         if group in attribution.EXPERT_GROUPS and wing.startswith("megatron"):
             wing = "megatron moe"  # its all-to-all's backward runs in the mappings alone (no MoE frame above)
