@@ -29,11 +29,17 @@ from coc_inject import rng_state
 FUSION_FLAGS = ("gradient_accumulation_fusion", "fuse_wgrad_accumulation")
 _MISSING = object()
 _depth = 0
+_entered = 0  # trials begun in this process (COC_MEASURE tells a step with trials by it)
 
 
 def active() -> bool:
     """Whether the calling code runs inside a trial."""
     return _depth > 0
+
+
+def entered() -> int:
+    """How many trials this process has begun."""
+    return _entered
 
 
 def _parameters(modules) -> list:
@@ -50,7 +56,8 @@ def _parameters(modules) -> list:
 def isolated(modules=()):
     """Inside, trials of ``modules`` (the layers, blocks or experts they run) leave the parameters'
     gradients, the fused accumulation flags and the RNG as found (module docstring). Nests."""
-    global _depth
+    global _depth, _entered
+    _entered += 1
     submodules = {id(m): m for module in modules for m in module.modules()}.values()
     fused = [(m, flag, getattr(m, flag)) for m in submodules for flag in FUSION_FLAGS
              if getattr(m, flag, False) is True]

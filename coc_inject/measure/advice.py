@@ -36,7 +36,10 @@ def wings_on(config) -> list:
     return [wing for wing in OUR_WINGS if not config.disabled and _ON[wing](config)]
 
 
-def warnings(config, summary: dict, step: int) -> list:
+def warnings(config, summary: dict, step) -> list:
+    """The wings on that hid less than COC_MEASURE_WARN of their communication in ``summary``;
+    ``step``: its step number, or a label of the steps it sums ("steady steps 2-8")."""
+    where = f"step {step}" if isinstance(step, int) else step
     threshold = config.measure_warn
     if not threshold:
         return []
@@ -45,7 +48,7 @@ def warnings(config, summary: dict, step: int) -> list:
     for wing in wings_on(config):
         row = summary["wings"].get(wing)
         if row is None or row["communication_s"] <= 0:
-            out.append(f"COC_MEASURE: {wing} is on but issued no communication of its own in step {step} "
+            out.append(f"COC_MEASURE: {wing} is on but issued no communication of its own in {where} "
                        "(every call went to Megatron's path, or none ran: see the first-step summary)")
             continue
         if row["hidden_pct"] >= threshold:
@@ -58,7 +61,7 @@ def warnings(config, summary: dict, step: int) -> list:
         if step_s and row["communication_s"] < 0.01 * step_s:
             why.append(f"its communication is {100 * row['communication_s'] / step_s:.1f}% of the step: a link this "
                        "fast leaves little to hide")
-        out.append(f"COC_MEASURE: {wing} hid {row['hidden_pct']:.0f}% of its communication in step {step} "
+        out.append(f"COC_MEASURE: {wing} hid {row['hidden_pct']:.0f}% of its communication in {where} "
                    f"({_ms(row['exposed_s'])} of {_ms(row['communication_s'])} ms exposed; COC_MEASURE_WARN="
                    f"{threshold})" + (": " + "; ".join(why) if why else ""))
     return out

@@ -39,6 +39,11 @@ class Exposure:
         self._pending: list = []  # (step, records, begin, end) waiting for their device events
         self.first = None  # the first measured step's sums
         self.total = None  # every measured step's sums
+        self.steady = None  # the sums of the measured steps after the first, without auto's trials
+        self.steady_steps: list = []
+        self.trial_steps: list = []  # measured steps in which auto's trials ran
+        self._trials_at_begin = trial.entered()
+        self._finished = False
         self._window: list = []  # the last COC_MEASURE_EVERY steps' sums
         self.per_step: list = []
         self.warnings: list = []
@@ -109,7 +114,8 @@ class Exposure:
     def end_step(self) -> None:
         end = meter.now()
         if self.recording:
-            self._pending.append((self.step, self._records, self._begin, end, self._device_clock))
+            trials = trial.entered() != self._trials_at_begin
+            self._pending.append((self.step, self._records, self._begin, end, self._device_clock, trials))
         self._records = []
         if self._device_clock is not None:
             self._device_clock = clocks.DeviceClock(self._device_clock.module)  # the next step's anchor
@@ -122,16 +128,20 @@ class Exposure:
                 self._step_hook = None
         self._resolve(wait=False)
         self._begin = meter.now()  # the meter's own work here (sums, names, a trace) is no step's
+        self._trials_at_begin = trial.entered()
 
     def finish(self) -> None:
         """At exit: the step in progress is not a step; the pending ones are resolved (one sync)."""
         if self._pending and self._pending[-1][4] is not None:
             self._pending[-1][4].module.synchronize()
         self._resolve(wait=True)
+        if not self._finished and self.total is not None:
+            self._finished = True
+            self._end_of_run()
 
     def _resolve(self, wait: bool) -> None:
         while self._pending:
-            step, collectives, begin, end, clock = self._pending[0]
+            step, collectives, begin, end, clock, trials = self._pending[0]
             if clock is not None and not all(r.marks is None or clocks.resolve(r, clock) for r in collectives):
                 if not wait:
                     return
@@ -140,9 +150,9 @@ class Exposure:
                 log.logger.warning("COC_MEASURE: %d collectives of step %d never completed on the device; left out",
                                    unresolved, step)
             self._pending.pop(0)
-            self._step_done(step, collectives, begin, end)
+            self._step_done(step, collectives, begin, end, trials)
 
-    def _step_done(self, step, collectives, begin, end) -> None:
+    def _step_done(self, step, collectives, begin, end, trials=False) -> None:
         if step == 1 and collectives:  # from the first collective: not the model's construction before it
             begin = min(r.issued for r in collectives)
         summary = records.summarize(collectives, end - begin)
@@ -158,22 +168,43 @@ class Exposure:
         if not in_range(step, self.config.measure):
             return
         self.total = records.merged([self.total, summary] if self.total is not None else [summary])
+        if trials:
+            self.trial_steps.append(step)
+        elif self.first is not None:  # steady: neither the first measured step nor one with trials
+            self.steady = records.merged([self.steady, summary] if self.steady is not None else [summary])
+            self.steady_steps.append(step)
         if len(self.per_step) < PER_STEP_KEPT:
             self.per_step.append({"step": step, "step_s": summary["step_s"], "total": summary["total"],
                                   "wings": summary["wings"]})
         if self.first is None:
             self.first = dict(summary, step=step)
             self._say(f"step {step}", summary)
-            self.warnings = advice.warnings(self.config, summary, step)
-            if log.global_rank() == 0 or log.is_debug():  # as the first-step summary's warnings
-                for line in self.warnings:
-                    log.logger.warning("%s", line)
         every = self.config.measure_every
         if every:
             self._window.append(summary)
             if len(self._window) == every:
                 self._say(f"steps {step - every + 1}-{step}", records.merged(self._window))
                 self._window = []
+
+    def steady_label(self) -> str:
+        """The steps the steady figures cover, as the lines and the report name them."""
+        steps = self.steady_steps
+        return f"steady step{'s' if len(steps) != 1 else ''} {records.step_runs(steps)}" if steps else "no steady step"
+
+    def _end_of_run(self) -> None:
+        """The end-of-run line on rank 0 and the warnings, judged on the steady steps (the first measured
+        step and steps with auto's trials left out; every measured step where none is steady)."""
+        left_out = sorted({self.first["step"], *self.trial_steps}) if self.first is not None else []
+        if self.steady is not None:
+            what, summary = self.steady_label(), self.steady
+            what += f", left out: step{'s' if len(left_out) > 1 else ''} {records.step_runs(left_out)}"
+        else:
+            what, summary = "every measured step (no steady one: the first and steps with trials only)", self.total
+        self._say(f"end of run, {what}", summary)
+        self.warnings = advice.warnings(self.config, summary, what.split(",")[0])
+        if log.global_rank() == 0 or log.is_debug():
+            for line in self.warnings:
+                log.logger.warning("%s", line)
 
     def _say(self, what: str, summary: dict) -> None:
         level = logging.INFO if log.global_rank() == 0 else logging.DEBUG
@@ -188,6 +219,9 @@ class Exposure:
             "measured_steps": self.config.measure and list(self.config.measure),
             "first_step": _named(self.first, names),
             "total": _named(self.total, names),
+            "steady": _named(self.steady, names),
+            "steady_steps": self.steady_steps,
+            "trial_steps": self.trial_steps,
             "per_step": self.per_step,
             "warnings": self.warnings,
             "traces": self.traced,

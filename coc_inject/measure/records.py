@@ -105,3 +105,14 @@ def merged(summaries: list) -> dict:
 def _sum_into(into: dict, row: dict) -> None:
     for field in ("collectives", "bytes", "communication_s", "exposed_s"):
         into[field] = into.get(field, 0) + row.get(field, 0)
+
+
+def step_runs(steps: list) -> str:
+    """Step numbers as runs: [2, 3, 5, 6, 7] -> "2-3, 5-7"."""
+    runs: list = []
+    for step in steps:
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

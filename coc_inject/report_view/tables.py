@@ -1,13 +1,15 @@
 """The communication table of a COC_REPORT file, and the side-by-side of two (off and on): text and JSON.
 
-Figures are per step, averaged over the report's measured steps (``communication.total``: its sums
-divided by its ``steps``); the first measured step's time is given beside them (it runs auto's
-trials). A row: collectives and bytes per step, communication issued (ms: in flight on the network,
+Figures are per step, averaged over the report's **steady** steps (``communication.steady``: the
+measured steps after the first, without auto's trials; its sums divided by its ``steps``), or over
+every measured step where the report has no steady one (a one-step run, an older report: said so);
+the first measured step's time is given beside them (it runs auto's trials). A row: collectives and bytes per step, communication issued (ms: in flight on the network,
 records.communication_times), exposed (ms: waited for), hidden (% of the issued not waited for).
 """
 
 from __future__ import annotations
 
+from coc_inject.measure import records
 from coc_inject.report_view import load
 
 TOP_LAYERS = 10
@@ -29,13 +31,20 @@ def _by_exposed(rows: dict) -> list:
 def communication(path: str, report: dict, top: int = TOP_LAYERS) -> dict:
     """One report's communication figures (the JSON twin of :func:`communication_text`)."""
     section = load.communication(path, report)
-    total = section["total"]
+    steady = section.get("steady")
+    total = steady or section["total"]
     steps = max(1, int(total.get("steps", 1)))
+    if steady:
+        covered = _steps_text(section.get("steady_steps") or [], "steady step")
+    else:
+        seen = [row.get("step") for row in section.get("per_step") or [] if row.get("step") is not None]
+        covered = _steps_text(seen, "measured step", steps) + " (none steady)"
     first = section.get("first_step") or {}
     rows = {part: {key: per_step(row, steps) for key, row in total.get(part, {}).items()}
             for part in ("wings", "collectives", "layers")}
     return {"path": path, "rank": report.get("rank"), "world_size": report.get("world_size"),
             "clock": section.get("clock"), "steps": steps, "measured_steps": section.get("measured_steps"),
+            "covered": covered, "trial_steps": list(section.get("trial_steps") or []),
             "step_ms": 1e3 * (total.get("step_s") or 0.0) / steps,
             "first_step": {"step": first.get("step"), "step_ms": 1e3 * (first.get("step_s") or 0.0)},
             "total": per_step(total["total"], steps), "wings": dict(_by_exposed(rows["wings"])),
@@ -43,6 +52,13 @@ def communication(path: str, report: dict, top: int = TOP_LAYERS) -> dict:
             "layers": [dict(row, layer=name) for name, row in _by_exposed(rows["layers"])[:top]],
             "layers_shown": min(top, len(rows["layers"])), "layers_total": len(rows["layers"]),
             "warnings": list(section.get("warnings") or []), "traces": list(section.get("traces") or [])}
+
+
+def _steps_text(steps: list, kind: str, count: int = 0) -> str:
+    """"steady steps 2-8" / "steady steps 2, 4-8"; "3 measured steps" without the list (an older report)."""
+    if not steps:
+        return f"{count} {kind}{'s' if count != 1 else ''}"
+    return f"{kind}{'s' if len(steps) != 1 else ''} {records.step_runs(steps)}"
 
 
 def _count(value: float) -> str:
@@ -64,8 +80,7 @@ def _table(rows: list) -> list:
 def communication_text(figures: dict) -> str:
     first = figures["first_step"]
     lines = [f"{figures['path']}: communication of rank {figures['rank']}/{figures['world_size']}, "
-             f"{figures['clock']} clock, per step over {figures['steps']} measured step"
-             f"{'s' if figures['steps'] != 1 else ''}: step {figures['step_ms']:.1f} ms"
+             f"{figures['clock']} clock, per step over {figures['covered']}: step {figures['step_ms']:.1f} ms"
              + (f" (first measured step {first['step']}: {first['step_ms']:.1f} ms)" if first["step"] else "")]
     lines.append("  per wing")
     lines += _table(list(figures["wings"].items()) + [("all", figures["total"])])
@@ -93,8 +108,10 @@ def _ratio(before: float, after: float):
 def side_by_side(off: tuple, on: tuple) -> dict:
     """``off`` and ``on``: (path, report). Per collective kind, per wing and in all: both sides' rows."""
     a, b = communication(*off, top=0), communication(*on, top=0)
-    return {"off": {"path": a["path"], "rank": a["rank"], "steps": a["steps"], "clock": a["clock"]},
-            "on": {"path": b["path"], "rank": b["rank"], "steps": b["steps"], "clock": b["clock"]},
+    return {"off": {"path": a["path"], "rank": a["rank"], "steps": a["steps"], "clock": a["clock"],
+                    "covered": a["covered"]},
+            "on": {"path": b["path"], "rank": b["rank"], "steps": b["steps"], "clock": b["clock"],
+                   "covered": b["covered"]},
             "step": {"first_ms": {"off": a["first_step"]["step_ms"], "on": b["first_step"]["step_ms"],
                                   "speedup": _ratio(a["first_step"]["step_ms"], b["first_step"]["step_ms"])},
                      "measured_ms": {"off": a["step_ms"], "on": b["step_ms"], "speedup": _ratio(a["step_ms"],
@@ -122,9 +139,10 @@ def side_by_side_text(figures: dict) -> str:
         faster = f" (off/on {pair['speedup']:.3f}x)" if pair["speedup"] else ""
         return f"{pair['off']:.1f} -> {pair['on']:.1f} ms{unit}{faster}"
 
-    lines = [f"off {off['path']} (rank {off['rank']}, {off['steps']} measured steps) -> on {on['path']} "
-             f"(rank {on['rank']}, {on['steps']} measured steps); per step, averaged over the measured steps",
-             f"  step: first measured step {times('first_ms', '')}; measured {times('measured_ms', ' per step')}"]
+    lines = [f"off {off['path']} (rank {off['rank']}, {off['covered']}) -> on {on['path']} "
+             f"(rank {on['rank']}, {on['covered']}); per step, averaged over those steps (the first measured step "
+             "and steps with auto's trials left out where the report has others)",
+             f"  step: first measured step {times('first_ms', '')}; averaged {times('measured_ms', ' per step')}"]
     if off["clock"] != on["clock"]:
         lines.append(f"  note: the clocks differ ({off['clock']} -> {on['clock']}): the figures are not alike")
     lines.append("  per collective (group and operation):")

@@ -283,6 +283,37 @@ def test_nothing_is_metered_while_a_device_graph_is_captured(measured, monkeypat
     assert len(calls) == 2 and exposure.issued == 1 and "record" in device.names()
 
 
+def test_the_end_of_run_line_and_warnings_cover_the_steady_steps(measured, said, monkeypatch):
+    """#43 items 1 and 3: the first measured step and any step with auto's trials are left out of the
+    steady figures; the end of the run says them on rank 0 with the steps they cover, and judges
+    COC_MEASURE_WARN on them."""
+    monkeypatch.setattr(advice, "_on_cuda", lambda: False)
+    config = CocConfig(parallel_num=2, measure=(1, None), measure_warn=50)
+    exposure, network, model = measured(config), FakeNetwork(), Model()
+    fast = metered.wrapper(exposure, "all_reduce", network.collective("all_reduce", 0.001))
+    engine = _issued_by("coc_inject.linears.engine_of_the_test")
+
+    def hidden(tensor):  # issued, then covered by compute longer than it
+        work = engine(fast, tensor, async_op=True)
+        time.sleep(0.02)
+        work.wait()
+
+    def exposed_with_a_trial(tensor):
+        with trial.isolated([model.module]):
+            pass
+        engine(fast, tensor)  # waited for at once
+
+    for step in range(1, 6):
+        model.step(exposed_with_a_trial if step in (1, 3) else hidden)
+    exposure.finish()
+    assert exposure.steady_steps == [2, 4, 5] and exposure.trial_steps == [1, 3]
+    report = exposure.report()
+    assert report["steady"]["steps"] == 3 and report["steady"]["wings"]["linears"]["hidden_pct"] > 50
+    (line,) = [text for text in said() if text.startswith("end of run")]
+    assert line.startswith("end of run, steady steps 2, 4-5, left out: steps 1, 3:"), line
+    assert exposure.warnings == []  # the steady steps hid more than 50%; steps 1 and 3 alone would warn
+
+
 @pytest.fixture
 def said():
     """The meter's log lines (INFO and above) while the test runs."""
@@ -339,6 +370,8 @@ def test_a_wing_hiding_less_than_the_threshold_is_warned_about(measured, said, m
     all_reduce = metered.wrapper(exposure, "all_reduce", network.collective("all_reduce"))
     engine = _issued_by("coc_inject.linears.engine_of_the_test")
     model.step(lambda tensor: engine(all_reduce, tensor, async_op=True).wait())  # waited for at once
+    assert exposure.warnings == []  # judged at the end of the run, not on the first step
+    exposure.finish()
     row = exposure.first["wings"]["linears"]
     assert row["hidden_pct"] < 50 and row["exposed_s"] >= (1 - TOLERANCE) * D
     (warning,) = exposure.warnings

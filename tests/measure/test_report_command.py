@@ -74,7 +74,7 @@ def test_one_report_prints_the_route_table_then_the_communication_table(tmp_path
     assert run(path) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{path}: rank 0/2, megatron-core 0.19.2, mode chunked")  # the route table, as before
-    assert (f"{path}: communication of rank 0/2, host clock, per step over 4 measured steps: step 400.0 ms "
+    assert (f"{path}: communication of rank 0/2, host clock, per step over 4 measured steps (none steady): step 400.0 ms "
             "(first measured step 1: 900.0 ms)") in out
     lines = out.splitlines()
     linears = next(line for line in lines if line.strip().startswith("linears")).split()
@@ -112,8 +112,8 @@ def test_two_reports_side_by_side(tmp_path, capsys, how):
     paths = files(tmp_path, off=OFF, on=ON)
     assert run(*paths, *(["--compare"] if how == "--compare" else [])) == 0
     out = capsys.readouterr().out
-    assert f"off {paths[0]} (rank 0, 4 measured steps) -> on {paths[1]}" in out
-    assert ("step: first measured step 800.0 -> 900.0 ms (off/on 0.889x); measured 500.0 -> 400.0 ms per step "
+    assert f"off {paths[0]} (rank 0, 4 measured steps (none steady)) -> on {paths[1]}" in out
+    assert ("step: first measured step 800.0 -> 900.0 ms (off/on 0.889x); averaged 500.0 -> 400.0 ms per step "
             "(off/on 1.250x)") in out
     assert "tp all_reduce: 412.0 ms exposed -> 96.0 ms (issued 412.0 -> 425.0 ms; hidden 0.0% -> 77.4%)" in out
     assert "dp-cp all_reduce: 25.0 ms exposed -> 25.0 ms (issued 50.0 -> 50.0 ms; hidden 50.0% -> 50.0%)" in out
@@ -146,11 +146,29 @@ def test_the_command_reads_what_the_meter_writes(tmp_path, capsys):
     (path,) = files(tmp_path, measured=content)
     assert run(path, "--json") == 0
     (figures,) = json.loads(capsys.readouterr().out)["reports"]
-    assert figures["steps"] == 2 and figures["step_ms"] == pytest.approx(10.0)
+    assert figures["steps"] == 1 and figures["covered"] == "steady step 2"  # the first measured step left out
+    assert figures["step_ms"] == pytest.approx(10.0)
     assert figures["wings"]["linears"]["communication_ms"] == pytest.approx(4.0)
     assert figures["wings"]["linears"]["exposed_ms"] == pytest.approx(1.0)
     assert figures["collectives"]["tp all_reduce"]["hidden_pct"] == pytest.approx(75.0)
     assert [layer["layer"] for layer in figures["layers"]] == ["(no layer) | forward | linears"]
+
+
+def test_the_side_by_side_reads_the_steady_steps(tmp_path, capsys):
+    """#43 item 1: a first measured step with auto's trials (and a later step with trials) must not weigh
+    in the side-by-side: the steady steps' figures are compared, and the steps they cover are named."""
+    def with_steady(content, steady_step_s, steps):
+        content = json.loads(json.dumps(content))
+        steady = json.loads(json.dumps(content["communication"]["total"]))
+        steady.update(step_s=steady_step_s * len(steps), steps=len(steps))
+        content["communication"].update(steady=steady, steady_steps=steps, trial_steps=[1, 4])
+        return content
+
+    paths = files(tmp_path, off=with_steady(OFF, 0.5, [2, 3, 5, 6]), on=with_steady(ON, 0.25, [2, 3, 5, 6]))
+    assert run(*paths) == 0
+    out = capsys.readouterr().out
+    assert f"off {paths[0]} (rank 0, steady steps 2-3, 5-6) -> on" in out
+    assert "averaged 500.0 -> 250.0 ms per step (off/on 2.000x)" in out
 
 
 def traced_run(directory, step_ms):
