@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from coc_inject.config import CocConfig
-from coc_inject.linears.guards import column_guards, row_guards
+from coc_inject.linears.guards import NO_GROUP, column_guards, group_argument, row_guards, tp_group
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
     FusedAllGatherMatmul,
@@ -55,14 +55,16 @@ def _rows(input_) -> int:
 
 
 def row_shape(layer, input_) -> tuple:
-    """[m, k, n] of a RowParallelLinear call (k: this rank's input columns)."""
-    return _rows(input_), layer.input_size_per_partition, layer.output_size
+    """[m, k, n] of a RowParallelLinear call (k: this rank's input columns; None: an attribute the
+    layer lacks, the coverage's shape of a call the guards sent to Megatron for it)."""
+    return _rows(input_), getattr(layer, "input_size_per_partition", None), getattr(layer, "output_size", None)
 
 
 def column_shape(layer, input_) -> tuple:
     """[m, k, n] of a ColumnParallelLinear call (m: all rows, gathered under SP)."""
-    tp = layer.tp_group.size() if layer.tp_group is not None and layer.sequence_parallel else 1
-    return _rows(input_) * tp, layer.input_size, layer.output_size_per_partition
+    group = tp_group(layer) if getattr(layer, "sequence_parallel", False) else None
+    tp = group.size() if group is not None and group is not NO_GROUP else 1
+    return _rows(input_) * tp, getattr(layer, "input_size", None), getattr(layer, "output_size_per_partition", None)
 
 
 @dataclass
@@ -82,7 +84,7 @@ class LinearCall:
 
     @property
     def group(self):
-        return self.layer.tp_group
+        return tp_group(self.layer)
 
 
 class RowAdapter:
@@ -100,10 +102,10 @@ class RowAdapter:
     def call(self, original, layer, input_, args, kwargs) -> LinearCall:
         from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 
-        group, sequence_parallel = layer.tp_group, layer.sequence_parallel
+        group, sequence_parallel = tp_group(layer), layer.sequence_parallel
         input_parallel = (
             input_ if layer.input_is_parallel
-            else scatter_to_tensor_model_parallel_region(input_, group=group)
+            else scatter_to_tensor_model_parallel_region(input_, **group_argument(layer))
         )
         rows = _rows(input_parallel) // group.size() if sequence_parallel else _rows(input_parallel)
         return LinearCall(
@@ -113,7 +115,7 @@ class RowAdapter:
             lambda x, kernel: self._forward(layer, x, kernel), lambda x: original(layer, x))
 
     def _forward(self, layer, input_parallel, kernel):
-        output = self._output(layer, input_parallel, kernel, layer.tp_group)
+        output = self._output(layer, input_parallel, kernel, tp_group(layer))
         if layer.skip_bias_add:
             return output, layer.bias
         return (output + layer.bias if layer.bias is not None else output), None
@@ -162,7 +164,7 @@ class ColumnAdapter:
             lambda x: original(layer, x, weight, runtime_gather_output))
 
     def _output(self, layer, input_, matrix, kernel):
-        group = layer.tp_group
+        group = tp_group(layer)
         if layer.sequence_parallel:
             arguments = (matrix, kernel, group, layer.gradient_accumulation_fusion, self.layout,
                          self.config.recompute_all_gather)
@@ -193,7 +195,7 @@ class ColumnAdapter:
         elif gather_output:
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-            output = gather_from_tensor_model_parallel_region(output_parallel, group=layer.tp_group)
+            output = gather_from_tensor_model_parallel_region(output_parallel, **group_argument(layer))
         else:
             output = output_parallel
         return output, (layer.bias if layer.skip_bias_add else None)

@@ -7,6 +7,7 @@ lists the features of newer megatron-core releases that are checked (``coc-injec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,55 @@ COLUMN_WITHOUT_SP = MegatronPath(
     "all-reduce with wgrad (COC_ENABLE_IN_COLUMN_BACKWARD=1 chunks it)", expected=True)
 
 
+# What each forward reads of its layer without a default: a layer lacking one (a megatron-core release
+# outside the tested range, COC_ALLOW_UNTESTED_MEGATRON=1) takes Megatron's path, naming it.
+ROW_READS = ("config", "weight", "bias", "input_size_per_partition", "output_size", "sequence_parallel",
+             "input_is_parallel", "skip_bias_add", "gradient_accumulation_fusion")
+COLUMN_READS = ("config", "weight", "bias", "input_size", "output_size_per_partition", "sequence_parallel",
+                "gather_output", "skip_bias_add", "gradient_accumulation_fusion")
+
+
+def _missing(layer, names) -> MegatronPath | None:
+    for name in names:
+        if not hasattr(layer, name):
+            return MegatronPath(f"{type(layer).__name__} has no attribute {name!r} (a megatron-core release "
+                                "coc-inject does not know)")
+    if tp_group(layer) is NO_GROUP:
+        return MegatronPath(f"{type(layer).__name__} has no attribute 'tp_group' (a megatron-core release "
+                            "coc-inject does not know)")
+    return None
+
+
+NO_GROUP = object()
+
+
+def tp_group(layer):
+    """The layer's tensor-parallel group: its ``tp_group`` (megatron-core >= 0.13); before 0.13 the
+    layers have none and their forwards use parallel_state's TP group, returned here. NO_GROUP when
+    a layer of a later release has none."""
+    try:
+        return layer.tp_group
+    except AttributeError:
+        if not _before_013():
+            return NO_GROUP
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def group_argument(layer) -> dict:
+    """The ``group=`` keyword of Megatron's TP mappings (0.12's take none: parallel_state's group)."""
+    return {"group": layer.tp_group} if hasattr(layer, "tp_group") else {}
+
+
+@functools.lru_cache(maxsize=1)
+def _before_013() -> bool:
+    from coc_inject import megatron_version
+
+    found = megatron_version.release(megatron_version.imported().version)
+    return found is not None and found < (0, 13)
+
+
 def _refused(layer, kind: str) -> MegatronPath | None:
     """The allow-list's reason for this layer's config (coc_inject/allowlist), as a MegatronPath."""
     why = check.refusal(layer.config, check.LINEARS, kind=kind)
@@ -68,7 +118,8 @@ def _weight_fallback(layer, weight, expected: tuple) -> MegatronPath | None:
 
 
 def _common_fallback(layer, input_: torch.Tensor) -> MegatronPath | None:
-    tp_size = layer.tp_group.size() if layer.tp_group is not None else 1
+    group = tp_group(layer)
+    tp_size = group.size() if group is not None else 1
     if tp_size <= 1:
         return TP_SIZE_1
     if getattr(layer, "explicit_expert_comm", False):
@@ -85,9 +136,9 @@ def row_guards(layer, input_, args, kwargs) -> MegatronPath | None:
     """Why a RowParallelLinear call must take Megatron's path, or None."""
     if args or kwargs:
         return UNKNOWN_ARGUMENTS
-    path = _refused(layer, "row") or _common_fallback(layer, input_) or _weight_fallback(
+    path = _missing(layer, ROW_READS) or _refused(layer, "row") or _common_fallback(layer, input_) or _weight_fallback(
         layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
-    if path is None and layer.sequence_parallel and input_.shape[0] % layer.tp_group.size():
+    if path is None and layer.sequence_parallel and input_.shape[0] % tp_group(layer).size():
         path = MegatronPath(f"sequence length {input_.shape[0]} is not divisible by TP")
     return path
 
@@ -96,7 +147,7 @@ def column_guards(config, layer, input_, weight, args, kwargs) -> MegatronPath |
     """Why a ColumnParallelLinear call must take Megatron's path, or None."""
     if args or kwargs:
         return UNKNOWN_ARGUMENTS
-    path = _refused(layer, "column") or _common_fallback(layer, input_)
+    path = _missing(layer, COLUMN_READS) or _refused(layer, "column") or _common_fallback(layer, input_)
     if path is not None:
         return path
     if getattr(layer, "disable_grad_reduce", False):

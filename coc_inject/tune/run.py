@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from coc_inject import job, log
 from coc_inject.linears import install as linears
+from coc_inject.linears.guards import tp_group
 from coc_inject.testbed import ranks
 from coc_inject.tune import attention as tune_attention, moe as tune_moe, report as tune_report
 from coc_inject.testbed.ranks import Setup
@@ -356,7 +357,7 @@ def _tune_linears(plan, dtype, device) -> dict:
             layer, x = build_linear(LINEARS[target.case], *target.shape, dtype, device, target.batch)
             out, _ = layer(x.requires_grad_(True))
             out.backward(torch.ones_like(out))
-            group = layer.tp_group
+            group = tp_group(layer)
             del layer, x, out
         decisions = dict(job.current().decisions(job.LINEARS))
     finally:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from coc_inject.linears.guards import tp_group
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 COLLECTIVES = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -38,6 +40,15 @@ def tp_rank_size():
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
+def takes_tp_group() -> bool:
+    """Whether Megatron's linear layers take a tp_group (megatron-core >= 0.13)."""
+    import inspect
+
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    return "tp_group" in inspect.signature(RowParallelLinear.__init__).parameters
+
+
 def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, ffn, seed=1234,
                 gather_output=False, tp_group=None, is_expert=False, frozen=False, input_is_parallel=True,
                 transformer_impl=None):
@@ -53,14 +64,16 @@ def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, 
         config.transformer_impl = transformer_impl
     torch.manual_seed(seed)  # the master weight is generated identically on every rank
     init = torch.nn.init.xavier_normal_
+    # megatron-core 0.12's layers take no tp_group (they use parallel_state's TP group)
+    group = {"tp_group": tp_group} if tp_group is not None or takes_tp_group() else {}
     if kind == "row":
         layer = RowParallelLinear(ffn, hidden, config=config, init_method=init, bias=bias,
                                   input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add,
-                                  tp_group=tp_group, is_expert=is_expert)
+                                  is_expert=is_expert, **group)
     else:
         layer = ColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=bias,
                                      gather_output=gather_output, skip_bias_add=skip_bias_add,
-                                     tp_group=tp_group, is_expert=is_expert)
+                                     is_expert=is_expert, **group)
     layer.weight.requires_grad_(not frozen)
     if layer.bias is not None:
         with torch.no_grad():
@@ -69,7 +82,7 @@ def build_layer(kind, *, sequence_parallel, bias, skip_bias_add, dtype, hidden, 
 
 
 def make_input(kind, layer, *, sequence_parallel, seq, batch, dtype, seed=99):
-    rank, tp = layer.tp_group.rank(), layer.tp_group.size()
+    rank, tp = tp_group(layer).rank(), tp_group(layer).size()
     if kind == "row" and not layer.input_is_parallel:  # full activations, replicated
         rows, width, same_on_all_ranks = seq, layer.input_size, True
     elif kind == "row":
@@ -105,7 +118,7 @@ def run_layer(layer, x, forward_kwargs=None):
         bias_grad = layer.bias.grad.clone()
         if getattr(layer.bias, "sequence_parallel", False):
             # Megatron all-reduces SP-replicated bias grads at gradient finalisation.
-            dist.all_reduce(bias_grad, group=layer.tp_group)
+            dist.all_reduce(bias_grad, group=tp_group(layer))
         result["bias_grad"] = bias_grad
     return result, forward_counts, backward_counts
 
@@ -332,7 +345,7 @@ def train_mlp(*, chunks, sequence_parallel, steps=5, seq=16, batch=2, hidden=32,
             loss.backward()
             for param in params:  # what Megatron's finalize_model_grads does for SP params
                 if getattr(param, "sequence_parallel", False) and param.grad is not None:
-                    dist.all_reduce(param.grad, group=row.tp_group)
+                    dist.all_reduce(param.grad, group=tp_group(row))
             optimizer.step()
             history.append(loss.item())
         return history

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from coc_inject import job, meter
 from coc_inject.linears import install as linears
+from coc_inject.linears.guards import tp_group
 from coc_inject.bench import engine, report, startup
 from coc_inject.testbed import ranks
 from coc_inject.testbed.models import LINEARS as CASES, LinearCase, build_linear
@@ -50,7 +51,7 @@ def _install(variant: str, layer=None, auto=None) -> None:
     else:
         linears.install(CocConfig(parallel_num=int(variant.split("=")[1]), enable_coc_in_column_backward=True))
     if layer is not None:
-        agreement.ensure_same_config(layer.tp_group, job.current().config, layer.weight.device)
+        agreement.ensure_same_config(tp_group(layer), job.current().config, layer.weight.device)
 
 
 def _comm_only(case: LinearCase, layer, x, group):
@@ -127,7 +128,7 @@ def measure_case(case: LinearCase, *, m, k, n, dtype, device, chunks, reps, warm
     rows_in = torch.randn(m, k, dtype=dtype, device=device)  # the forward matmul's [m, k] operand
     runs = {v: layer_run(v) for v in ["megatron", *(f"N={c}" for c in fixed), *([AUTO_VARIANT] if auto else [])]}
     runs["compute-only"] = alone(lambda: torch.matmul(rows_in, layer.weight.t()))
-    runs["comm-only"] = alone(_comm_only(case, layer, x, layer.tp_group))
+    runs["comm-only"] = alone(_comm_only(case, layer, x, tp_group(layer)))
     times, kept = engine.measure(runs, reps, device=device, warm_ups=warmup, label=f"{case.label}: ")
     linears.uninstall()
     shown = max(fixed) if fixed else max(decided["chunks"], 2)
