@@ -26,9 +26,20 @@ _NOT_PIECES = {  # why a known dispatcher class is not among DISPATCHERS
 }
 
 
+# What the pieces read of a layer's objects (beyond what Megatron's own stages set during a call): one
+# lacking any (a megatron-core release outside the tested range) runs Megatron's dispatcher, naming it.
+LAYER_READS = ("config", "token_dispatcher", "experts")
+DISPATCHER_READS = ("config", "ep_size", "tp_size", "tp_rank", "num_local_experts", "local_expert_indices",
+                    "ep_group", "tp_group", "tp_ep_group", "preprocess", "_maybe_dtoh_and_synchronize")
+EXPERTS_READS = ("config", "local_experts")
+
+
 def layer_reason(layer) -> str | None:
     """Why this MoE layer cannot run as pieces (None: it can). Decided once per layer: these are
     the layer's construction, not its input."""
+    missing = _missing(layer, LAYER_READS)
+    if missing is not None:
+        return missing
     why = check.refusal(layer.config, check.MOE)  # the config's settings: coc_inject/allowlist/moe.py
     if why is not None:
         return why
@@ -40,8 +51,24 @@ def layer_reason(layer) -> str | None:
     if experts not in EXPERTS:
         return (f"{experts} experts (grouped GEMM, Transformer Engine): one kernel for all local experts; "
                 "pieces need SequentialMLP")
+    from coc_inject.moe import stages  # stages imports calls, which imports this module
+
+    missing = (_missing(dispatcher, DISPATCHER_READS) or _missing(layer.experts, EXPERTS_READS)
+               or stages.missing(layer))
+    if missing is not None:
+        return missing
     if dispatcher.ep_size == 1:
         return "expert parallelism 1: no all-to-all to overlap"
+    return None
+
+
+def _missing(owner, names) -> str | None:
+    for name in names:
+        try:
+            getattr(owner, name)
+        except AttributeError:
+            return (f"{type(owner).__name__} has no attribute {name!r} (a megatron-core release coc-inject "
+                    "does not know)")
     return None
 
 

@@ -33,8 +33,10 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
     stages.install_preprocess(patches, dispatcher)
     if stages.has_layer_stages(layer):
         megatron_middle = stages.install_layer_stages(patches, layer)
-    else:
+    elif stages.has_dispatcher_stages(dispatcher, experts.SequentialMLP):
         megatron_middle = stages.install_dispatcher_stages(patches, dispatcher, experts.SequentialMLP)
+    else:  # no stage to take over (0.12): every layer runs Megatron's dispatcher (guards.layer_reason says why)
+        megatron_middle = None
     original_forward = patches.original(layer, "forward")
     patches.patch(layer, "forward", calls.layer_forward(installation, original_forward, chunks, megatron_middle))
 

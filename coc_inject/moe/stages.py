@@ -8,7 +8,9 @@ Megatron's host synchronisation point), ``routed_experts_compute`` runs the piec
 experts, combine) and ``combine`` passes the combined rows on to Megatron's unpermute. Older
 releases (0.13 to 0.15) have no such layer methods: the dispatcher's ``token_dispatch`` /
 ``dispatch_postprocess`` pass the rows on, ``SequentialMLP.forward`` runs the pieces,
-``combine_preprocess`` / ``token_combine`` pass the combined rows on.
+``combine_preprocess`` / ``token_combine`` pass the combined rows on. A release with neither
+(0.12: the dispatcher's ``token_permutation`` / ``token_unpermutation`` do it all) is not wrapped:
+its MoE layers run Megatron's dispatcher, with missing()'s reason.
 """
 
 from __future__ import annotations
@@ -23,6 +25,23 @@ LAYER_STAGES = ("dispatch", "routed_experts_compute", "combine")
 
 def has_layer_stages(layer_class) -> bool:
     return all(name in vars(layer_class) for name in LAYER_STAGES)
+
+
+def has_dispatcher_stages(dispatcher_class, experts_class) -> bool:
+    return all(name in vars(dispatcher_class) for name in DISPATCHER_STAGES) and "forward" in vars(experts_class)
+
+
+def missing(layer) -> str | None:
+    """Which of Megatron's MoE stages this layer's objects lack (None: the pieces have theirs)."""
+    if all(hasattr(layer, name) for name in LAYER_STAGES):
+        return None
+    dispatcher = layer.token_dispatcher
+    absent = [name for name in DISPATCHER_STAGES if not hasattr(dispatcher, name)]
+    if not absent:
+        return None
+    return (f"{type(dispatcher).__name__} has no {', '.join(absent)} and {type(layer).__name__} no "
+            f"{' / '.join(LAYER_STAGES)} (megatron-core 0.12's token_permutation does the dispatch in one call): "
+            "no stage for the pieces to take over")
 
 
 def install_preprocess(patches, dispatcher_class) -> None:

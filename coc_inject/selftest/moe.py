@@ -22,11 +22,10 @@ def run(ctx) -> list[dict]:
 
 def _case(ctx, case, backend) -> dict:
     import torch
-    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_layer, moe_utils
 
     from coc_inject.testbed.cpu import cpu_moe_shims
-    from coc_inject.testbed.models import build_moe_layer
+    from coc_inject.testbed.models import build_moe_layer, fresh_rng_tracker
     from coc_inject.config import CocConfig
     from coc_inject.moe import install
     from coc_inject.selftest.megatron_cases import against_megatron, main_grads
@@ -37,7 +36,7 @@ def _case(ctx, case, backend) -> dict:
         moe_utils.te_general_gemm = None
     dtype = ctx.torch_dtype()
     torch.manual_seed(1234 + ctx.rank)  # every rank's experts differ: a token sent to a wrong one shows
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    fresh_rng_tracker()
     layer = build_moe_layer(HIDDEN, FFN, LOCAL_EXPERTS * ctx.world, TOPK, ctx.world, dtype).to(ctx.device)
     x_in = torch.randn(TOKENS, 1, HIDDEN).to(ctx.device, dtype)
     grad = torch.randn(x_in.shape, generator=torch.Generator().manual_seed(7 + ctx.rank)).to(ctx.device, dtype)

@@ -52,6 +52,21 @@ def build_linear(case: LinearCase, m: int, k: int, n: int, dtype, device, batch:
     return layer.to(device), torch.randn(rows // batch, batch, k, dtype=dtype, device=device)
 
 
+def fresh_rng_tracker() -> None:
+    """Megatron's RNG tracker made anew (the inference tracker, CPU-safe): ``force_reset`` where the
+    release takes it (0.13+); 0.12's initialize_rng_tracker returns early once initialized, so its
+    flag is cleared first."""
+    import inspect
+
+    from megatron.core.tensor_parallel import random as tp_random
+
+    if "force_reset" in inspect.signature(tp_random.initialize_rng_tracker).parameters:
+        tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    else:
+        tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+        tp_random.initialize_rng_tracker(inference_rng_tracker=True)
+
+
 def build_block(args, micro_batch: int | None = None, shims: bool = True):
     """A TransformerBlock of ``args.layers`` GPT layers (local spec, CpuLayerNorm), TP = the world with sequence
     parallelism, and its input (this rank's rows of ``micro_batch`` sequences, default ``args.batch``) and causal
@@ -61,12 +76,11 @@ def build_block(args, micro_batch: int | None = None, shims: bool = True):
     Megatron's expert parallelism as initialized)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(1234)
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    fresh_rng_tracker()
     tp = torch.distributed.get_world_size()
     config = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,

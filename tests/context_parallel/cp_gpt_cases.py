@@ -75,12 +75,13 @@ def build_gpt(tp, cp, *, heads=4, groups=None, hidden=64, layers=2, seq=64, voca
               cp_comm_type=None, hierarchical=None, mask_type=None, pre_process=True, post_process=True, **extra):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch.manual_seed(SEED)
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    from coc_inject.testbed.models import fresh_rng_tracker
+
+    fresh_rng_tracker()
     settings = dict(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
         ffn_hidden_size=4 * hidden, tensor_model_parallel_size=tp, context_parallel_size=cp,

@@ -263,10 +263,11 @@ def build_gpt(*, layers=2, hidden=32, experts=4, topk=2, seq=16, vocab=64, tp=1,
     """A tiny GPT whose MLPs are MoE layers (Megatron's local spec: SequentialMLP experts)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    from coc_inject.testbed.models import fresh_rng_tracker
+
+    fresh_rng_tracker()
     config = moe_config(experts=experts, topk=topk, hidden=hidden, ep=ep, tp=tp, etp=etp, sp=sp,
                         **{"num_layers": layers, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                            "bias_dropout_fusion": False, "masked_softmax_fusion": False,
