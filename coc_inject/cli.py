@@ -141,6 +141,12 @@ def cmd_status(args) -> int:
     if not errors:
         for key, value in config_module.load_config().describe().items():
             print(f"  {key:<30} {value}")
+    if not errors and config_module.load_config().trace_dir is not None:
+        from coc_inject.measure import trace
+
+        problem = trace.unwritable(config_module.load_config().trace_dir)
+        if problem is not None:
+            print(f"  warning: {problem}")
     unknown = config_module.unknown_variables()
     if unknown:
         print(f"  warning: unknown variables (typo?): {', '.join(unknown)}")

@@ -48,6 +48,7 @@ class Exposure:
         self.per_step: list = []
         self.warnings: list = []
         self.traced: list = []  # paths of the trace files written
+        self.trace_warnings: list = []  # why COC_TRACE wrote less than asked (an unwritable directory, too few steps)
         self._step_hook = None
 
     # -- the hot path -------------------------------------------------------------------------
@@ -135,9 +136,12 @@ class Exposure:
         if self._pending and self._pending[-1][4] is not None:
             self._pending[-1][4].module.synchronize()
         self._resolve(wait=True)
-        if not self._finished and self.total is not None:
-            self._finished = True
+        if self._finished:
+            return
+        self._finished = True
+        if self.total is not None:
             self._end_of_run()
+        self._traces_missed()
 
     def _resolve(self, wait: bool) -> None:
         while self._pending:
@@ -191,6 +195,19 @@ class Exposure:
         steps = self.steady_steps
         return f"steady step{'s' if len(steps) != 1 else ''} {records.step_runs(steps)}" if steps else "no steady step"
 
+    def _traces_missed(self) -> None:
+        """COC_TRACE_STEPS past the job's last step: no trace and, until now, no word."""
+        if self.config.trace_dir is None or self.traced or self.trace_warnings:
+            return
+        first, last = self.config.trace_steps
+        if self.step - 1 < first:  # self.step: the step in progress at exit, never ended
+            shown = f"{first}-" if last is None else str(first) if first == last else f"{first}-{last}"
+            line = (f"COC_TRACE_STEPS={shown}: the job ended after step {self.step - 1}, before "
+                    f"the first traced step; no trace was written into {self.config.trace_dir}")
+            self.trace_warnings.append(line)
+            if log.global_rank() == 0 or log.is_debug():
+                log.logger.warning("%s", line)
+
     def _end_of_run(self) -> None:
         """The end-of-run line on rank 0 and the warnings, judged on the steady steps (the first measured
         step and steps with auto's trials left out; every measured step where none is steady)."""
@@ -225,6 +242,7 @@ class Exposure:
             "per_step": self.per_step,
             "warnings": self.warnings,
             "traces": self.traced,
+            "trace_warnings": self.trace_warnings,
         }
 
 

@@ -7,6 +7,7 @@ aliases of the collectives, which are wrapped with torch.distributed's. Into the
 from __future__ import annotations
 
 import atexit
+import logging
 
 from coc_inject import dist_interception, job, log
 from coc_inject.measure import metered
@@ -26,6 +27,13 @@ def _install(installation, module=None) -> Exposure:
     if getattr(installation, "exposure", None) is not None:
         return installation.exposure
     exposure = Exposure(installation.config, log.global_rank())
+    if installation.config.trace_dir is not None:
+        from coc_inject.measure import trace
+
+        problem = trace.unwritable(installation.config.trace_dir)
+        if problem is not None:  # said now, once (the same key as a failed write's), and in the report
+            log.once(("COC_TRACE", str(installation.config.trace_dir)), logging.WARNING, problem)
+            exposure.trace_warnings.append(problem)
     dist_interception.patch_all(lambda name, original: metered.wrapper(exposure, name, original), installation.patches)
     _patch_coalescing(exposure, installation.patches)
     exposure.arm()

@@ -118,6 +118,20 @@ def document(rank, step, begin, end, collectives, communication_times, layer_nam
                           "step_ms": round((end - begin) * 1e3, 6), "times": "microseconds from the step's begin"}}
 
 
+def unwritable(directory) -> str | None:
+    """Why traces cannot be written into ``directory`` (made if missing), or None: checked when the meter
+    is installed, so that the job and ``coc-inject status`` say it before the first traced step."""
+    probe = os.path.join(str(directory), f".coc-trace-probe-{os.getpid()}")
+    try:
+        os.makedirs(str(directory), exist_ok=True)
+        with open(probe, "w", encoding="utf-8"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        return f"COC_TRACE={directory}: cannot write traces there ({error.strerror or error}); the job runs on without them"
+    return None
+
+
 def write(directory, rank, step, begin, end, collectives, communication_times, layer_names):
     """Writes one step's trace into ``directory`` (made if missing); its path, or None (said once)
     where the directory cannot be written."""

@@ -88,6 +88,10 @@ def write(path: str, files: list, step=None) -> tuple:
                 axis.set_xlabel("ms from the step's begin (grey: compute, red: waits; bars: collectives in flight)",
                                 fontsize=6)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as error:  # a missing directory, no permission: one line, not matplotlib's traceback
+        load.fail(f"--plot {path}: cannot write the PNG there ({error.strerror or error})")
+    finally:
+        plt.close(figure)
     return drawn, None

@@ -51,7 +51,8 @@ def communication(path: str, report: dict, top: int = TOP_LAYERS) -> dict:
             "collectives": dict(_by_exposed(rows["collectives"])),
             "layers": [dict(row, layer=name) for name, row in _by_exposed(rows["layers"])[:top]],
             "layers_shown": min(top, len(rows["layers"])), "layers_total": len(rows["layers"]),
-            "warnings": list(section.get("warnings") or []), "traces": list(section.get("traces") or [])}
+            "warnings": list(section.get("warnings") or []) + list(section.get("trace_warnings") or []),
+            "traces": list(section.get("traces") or [])}
 
 
 def _steps_text(steps: list, kind: str, count: int = 0) -> str:

@@ -244,3 +244,10 @@ def test_bad_arguments_name_the_option_or_file_and_what_is_allowed(tmp_path, cap
     assert "cannot read" in failure(tmp_path / "absent.json")
     (tmp_path / "empty").mkdir()
     assert "without trace files" in failure(tmp_path / "empty")
+
+
+def test_plot_into_a_missing_directory_is_one_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "missing" / "timeline.png"
+    message = failure("--plot", png, traced_run(tmp_path / "t", 10.0))
+    assert message.startswith(f"coc-inject report: --plot {png}: cannot write the PNG there") and "\n" not in message

@@ -211,3 +211,38 @@ def test_an_unwritable_directory_is_said_once_and_the_job_runs_on(tmp_path):
         trace.log.logger.removeHandler(handler)
     warnings = [r.getMessage() for r in seen if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and f"COC_TRACE={blocker / 'traces'}" in warnings[0] and "runs on" in warnings[0]
+
+
+def test_an_unwritable_directory_is_said_when_the_meter_is_installed(tmp_path):
+    """#43 item 5: before the first traced step (at the meter's install) and in the report."""
+    from coc_inject import job
+    from coc_inject.config import CocConfig
+    from coc_inject.measure import install
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert trace.unwritable(tmp_path / "fine") is None and list((tmp_path / "fine").iterdir()) == []
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    trace.log.logger.addHandler(handler)
+    try:
+        exposure = install.install(CocConfig(trace_dir=str(blocker / "traces"), trace_steps=(2, 2)))
+        said = [r.getMessage() for r in seen if r.levelno == logging.WARNING]
+        assert len(said) == 1 and "cannot write traces there" in said[0] and str(blocker / "traces") in said[0]
+        assert exposure.report()["trace_warnings"] == said
+    finally:
+        trace.log.logger.removeHandler(handler)
+        job.uninstall()
+
+
+def test_trace_steps_past_the_jobs_end_are_said_at_its_end(tmp_path):
+    from coc_inject.config import CocConfig
+    from coc_inject.measure.exposure import Exposure
+
+    exposure = Exposure(CocConfig(trace_dir=str(tmp_path), trace_steps=(5, 6)))
+    for _ in range(3):
+        exposure.end_step()
+    exposure.finish()
+    (line,) = exposure.report()["trace_warnings"]
+    assert line.startswith("COC_TRACE_STEPS=5-6: the job ended after step 3, before the first traced step")
