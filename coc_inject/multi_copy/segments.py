@@ -113,7 +113,15 @@ def gathers_input(node) -> bool:
     parallel, the weight gradient computed there: no deferral buffer)?"""
     return (type(node).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
             and getattr(node, "sequence_parallel", False) is True and getattr(node, "grad_output_buffer", 0) is None
-            and getattr(node, "tp_group", None) is not None and getattr(node, "gtp_remat_size", 1) in (None, 0, 1))
+            and _tp_group(node) is not None and getattr(node, "gtp_remat_size", 1) in (None, 0, 1))
+
+
+def _tp_group(node):
+    """The group the linear's backward all-gathers over: its ``tp_group`` (0.13+), parallel_state's on 0.12."""
+    from coc_inject.linears.guards import NO_GROUP, tp_group
+
+    group = tp_group(node)
+    return None if group is NO_GROUP else group
 
 
 def bands(output: torch.Tensor, cuts: list, claimed: set | None = None) -> tuple:
@@ -155,7 +163,7 @@ def bands(output: torch.Tensor, cuts: list, claimed: set | None = None) -> tuple
             tensor = getattr(point, "input", None)
             # The linear is the first node of segment index + 1, whose band the next cut's node starts.
             if kind == REDUCE and tensor is not None and index + 1 < len(cuts) and gathers_input(found[0]):
-                gathers.append((cuts[index + 1][1], tensor, found[0].tp_group))
+                gathers.append((cuts[index + 1][1], tensor, _tp_group(found[0])))
     return segments, cut_nodes, ends, gathers
 
 

@@ -26,8 +26,13 @@ SEED = 1234
 _parallel_state_key = None  # what initialize_model_parallel last ran with (making groups takes seconds)
 
 
-def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-    """Test-only shim: Megatron's get_pos_emb_on_this_cp_rank builds its index with pin_memory().cuda()."""
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group=None):
+    """Test-only shim: Megatron's get_pos_emb_on_this_cp_rank builds its index with pin_memory().cuda()
+    (0.12's takes no cp_group: parallel_state's)."""
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        cp_group = parallel_state.get_context_parallel_group()
     cp_size, cp_rank = cp_group.size(), cp_group.rank()
     pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
     pos_emb = pos_emb.index_select(seq_dim, torch.tensor([cp_rank, 2 * cp_size - 1 - cp_rank]))
