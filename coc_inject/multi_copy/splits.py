@@ -37,7 +37,7 @@ WITHOUT_COPIES = ("a micro-batch not divisible by the copies whose sequence cann
                   "dropout > 0",
                   "MoE layers with global_aux_loss, a capacity factor, sinkhorn routing, the batch aux_loss under "
                   "Megatron's MoE recompute or a padding mask", "packed sequences",
-                  "selective recompute of layernorm, moe_act, mla_up_proj",
+                  "selective recompute of mlp, layernorm, moe_act, mla_up_proj",
                   "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
                   "a setting the allow-list refuses or does not classify (docs/settings-allowlist.md)",
                   "a torch whose autograd the copies' backward cannot rely on (checked at install)")
@@ -71,7 +71,7 @@ def block_reason(block, copies: int) -> str | None:
     """Why ``block`` cannot run as copies at all (whatever the call), or None: its config against
     multi-copy's allow-list (coc_inject/allowlist/multi_copy.py)."""
     return (check.refusal(block.config, check.MULTI_COPY, training=block.training)
-            or recompute.reason(block.config))  # MoE layers: multi_copy/moe.py's block_reason
+            or recompute.reason(block))  # MoE layers: multi_copy/moe.py's block_reason
 
 
 def plan(block, copies: int, arguments: dict) -> Split | str:

@@ -67,9 +67,45 @@ def test_with_fused_kernels(pool):
 
 @newest_only
 def test_with_selective_recompute(pool):
-    """Selective recompute keeps the cuts: the backward overlaps."""
-    got = run(pool, tp=2, sp=True, b=4, recompute_granularity="selective")
+    """Selective recompute keeps the cuts: the backward overlaps; every rank's collectives in one order."""
+    got = run(pool, tp=2, sp=True, b=4, recompute_granularity="selective", recompute_modules=["core_attn"],
+              record=True)
     assert all(r["backward_in_turn"] == [] for r in got), got[0]["backward_in_turn"]
+    first = [(op, shape, copy, deferred) for op, _, shape, copy, deferred in got[0]["collectives"]]
+    assert all([(op, shape, copy, deferred) for op, _, shape, copy, deferred in r["collectives"]] == first
+               for r in got[1:])
+
+
+@newest_only
+def test_selective_recompute_of_layernorm_runs_megatrons_block_with_the_reason(pool):
+    """Megatron keeps each call's output-discarding checkpoint on the layer from the norm to its discard,
+    after the attention's collectives: the copies' turns would swap them (moe_act, mla_up_proj alike)."""
+    got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, tp=2, sp=True, b=4, steps=1,
+                   recompute_granularity="selective", recompute_modules=["core_attn", "layernorm"])
+    why = "selective recompute of layernorm (Megatron keeps each call's output-discarding checkpoint on the module"
+    assert all(len(r["routes"]) == 1 and r["routes"][0][0] == 1 and r["routes"][0][1].startswith(why)
+               for r in got), [r["routes"] for r in got]
+
+
+def test_selective_recompute_off_the_allow_list_is_a_reason():
+    """Only core_attn, moe and shared_experts run as copies (issue 41: the copies took any checkpoint for a
+    chunk of layers; "backward through the graph a second time" under mlp); mlp only where a layer
+    checkpoints a dense MLP (Megatron's MoE layers ignore it)."""
+    from types import SimpleNamespace as Fake
+
+    from coc_inject.multi_copy import recompute
+
+    def block(modules, dense=True, granularity="selective"):
+        return Fake(config=Fake(recompute_granularity=granularity, recompute_modules=modules),
+                    layers=[Fake(recompute_mlp=dense and "mlp" in modules)])
+
+    assert recompute.reason(block(["core_attn", "moe", "shared_experts"])) is None
+    assert recompute.reason(block(["mlp"], granularity="full")) is None
+    assert recompute.reason(block(["core_attn", "mlp"], dense=False)) is None
+    assert recompute.reason(block(["core_attn", "mlp"])).startswith("selective recompute of mlp (the dense MLP's")
+    for module in ("layernorm", "moe_act", "mla_up_proj"):
+        assert "output-discarding checkpoint" in recompute.reason(block([module]))
+    assert "allow-list" in recompute.reason(block(["some_new_module"]))
 
 
 def phases(call: list, in_backward: list) -> list:
