@@ -12,7 +12,7 @@ import inspect
 import logging
 
 from coc_inject import job, log
-from coc_inject.context_parallel import attention, groups
+from coc_inject.context_parallel import attention, banner, groups
 from coc_inject.routes import MEGATRON_ATTENTION, AttentionRoute
 
 
@@ -46,6 +46,8 @@ def wrap_init(installation, cls, original_init):
         softmax_coefficient = getattr(self.scale_mask_softmax, "scale", None) or 1.0
         plan.scale = self.softmax_scale * softmax_coefficient  # Megatron scales twice with layer scaling
         self._coc_cp = plan
+        if banner.implicit(config):  # the wing armed by the linears alone says itself here (banner.py)
+            banner.say(config, megatron_config.context_parallel_size, once=True)
 
     __init__.__coc_inject__ = True
     return __init__

@@ -15,10 +15,8 @@ COC_CP_ALGO=auto tuner live there, shared with the linears' wing.
 
 from __future__ import annotations
 
-import logging
-
-from coc_inject import job, log
-from coc_inject.context_parallel import attention, forward, groups
+from coc_inject import job
+from coc_inject.context_parallel import banner, forward, groups
 
 
 def install(config, attention_module=None, parallel_state=None) -> None:
@@ -72,30 +70,7 @@ def on_attention_imported(module) -> None:
     _install(installation, attention_module=module)
     from megatron.core import parallel_state
 
-    level = logging.INFO if log.global_rank() == 0 else logging.DEBUG
+    if banner.implicit(config):
+        return  # armed because the linears are (COC_PARALLEL_NUM): said when a layer with CP > 1 is built
     initialized = parallel_state.model_parallel_is_initialized()
-    log.logger.log(level, banner(config, parallel_state.get_context_parallel_world_size() if initialized else None))
-
-
-def banner(config, cp_size: int | None) -> str:
-    """One short line of what is on (the details: coc-inject status, COC_REPORT)."""
-    window = f", window {config.cp_window}" if config.cp_window > 1 else ""
-    degree = f", Ulysses degree {config.cp_ulysses_degree}" if config.cp_ulysses_degree else ""
-    algorithm = "cp_comm_type" if config.cp_algorithm == attention.FOLLOW_MEGATRON else config.cp_algorithm
-    kernel = f"kernel {_device_kernel()}" if config.attn_kernel == "auto" else f"kernel {config.attn_kernel}"
-    if config.cp_algorithm is None:
-        return f"fused attention installed on DotProductAttention (COC_FLASH_ATTN), {kernel}"
-    size = f"CP {cp_size}" if cp_size is not None else "CP from Megatron"
-    return (f"context parallelism installed on DotProductAttention: {algorithm}{window}{degree}, {size}, {kernel}"
-            + ("; CP = 1 layers: fused kernel" if config.flash_attn else ""))
-
-
-def _device_kernel() -> str:
-    """The fused kernel this process's device would run in its default dtype (for the banner)."""
-    import torch
-
-    from coc_inject import attention_kernels
-
-    device = next((d for d in attention_kernels.devices_here() if d != "cpu"), "cpu")  # an accelerator first
-    kernel, _ = attention_kernels.fused_kernel(device, torch.bfloat16 if device != "cpu" else torch.float32, 128)
-    return kernel.name if kernel is not None else f"reference on {device}"
+    banner.say(config, parallel_state.get_context_parallel_world_size() if initialized else None)

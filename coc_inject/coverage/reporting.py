@@ -106,7 +106,9 @@ def summary_line(coverage) -> str:
         text = (f"first step: CoC on {coverage.coc_layers()} of {tp_layers} TP linear layers; layer calls: "
                 + (", ".join(r for r in routes if r) or "none")) + (f"; {others}" if others else "")
     else:
-        text = f"first step: {others or 'no attention call ran with context parallelism'} (TP linears: CoC off)"
+        idle = ("no attention call ran with context parallelism" if coverage.config.cp_algorithm is not None
+                else "no wing patched a layer (measuring only)")
+        text = f"first step: {others or idle} (TP linears: CoC off)"
     reasons = coverage.megatron_reasons()
     if reasons:
         text += "; Megatron's path because: " + "; ".join(f"{why} ({n} calls)" for why, n in reasons.items())
@@ -132,7 +134,9 @@ def warnings(coverage) -> list:
         lines.append(f"COC_CP_ALGO={config.cp_algo} but no attention call ran with context parallelism "
                      "during the first step (context_parallel_size 1, or no local DotProductAttention)")
     fused_at_cp1 = any(route.fused_at_cp1 for route in coverage.routes_of(AttentionRoute))
-    if config.flash_attn and not config.disabled and not fused_at_cp1:
+    # sequence copies run their attention over parts through the fused kernel themselves (meeting.py)
+    sequence_copies = any(route.split == "sequence" for route in coverage.routes_of(CopiesRoute))
+    if config.flash_attn and not config.disabled and not fused_at_cp1 and not sequence_copies:
         lines.append("COC_FLASH_ATTN=1 but no attention call ran the fused kernel at CP = 1 during the first step "
                      "(no local DotProductAttention built with CP = 1, or Megatron's path for every call: see "
                      "the warnings above)")

@@ -377,3 +377,19 @@ def test_a_step_hook_registered_after_the_coverage_still_runs(tmp_path, monkeypa
         after.remove()
         cov.disarm()
     assert cov.ending.summarized and seen == [1, 1]
+
+
+@newest_only
+def test_lines_that_misled_say_what_ran():
+    """#43 item 7: a measure-only run's summary does not speak of context parallelism; sequence copies,
+    which run their attention through the fused kernel themselves, do not draw COC_FLASH_ATTN's warning."""
+    measuring = coverage.Coverage(CocConfig(measure=(1, None)), {})
+    line = measuring.summary_line()
+    assert "context parallelism" not in line and "measuring only" in line, line
+
+    class Block:
+        pass
+
+    copies = coverage.Coverage(CocConfig(flash_attn=True, multi_copy=2), {})
+    copies.count(Block(), routes.CopiesRoute(2, 2, split="sequence"), None, lambda layer, x: [])
+    assert not any("COC_FLASH_ATTN" in line for line in copies.warnings())
