@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from coc_inject import job, log
+from coc_inject import job, log, trial
 from coc_inject.moe import auto, counts, guards
 from coc_inject.moe.function import PieceRun, PipelinedExperts
 from coc_inject.routes import MoERoute
@@ -96,6 +96,9 @@ class MoECall:
             output, _ = experts.local_experts[index](rows, row_probs)
             return output
 
+        # Inside any trial (a block's, whose copies run the pieces, as well as this wing's own) the
+        # backward must not accumulate: trial.isolated took main_grad off, and DDP's hook would fail on it.
+        accumulate = accumulate and not trial.active()
         parameters = any(p.requires_grad for p in experts.parameters())
         needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or parameters)
         tp_group = dispatcher.tp_group if dispatcher.tp_size > 1 else None

@@ -46,7 +46,7 @@ class PieceRun:
     tp_group: object  # the expert tensor-parallel group; None without expert TP
     combine_dtype: torch.dtype  # Megatron reduce-scatters the experts' output in the probs' dtype
     needs_grad: bool
-    accumulate: bool = True  # False in auto's trials: the backward leaves parameter gradients alone
+    accumulate: bool = True  # False inside any auto's trial: the backward leaves parameter gradients alone
     saved: list = None  # per piece: (tokens leaf, probs leaf, output) for the backward
 
     def to_experts(self, piece: Piece, via=None) -> list:

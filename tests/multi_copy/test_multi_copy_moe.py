@@ -183,3 +183,20 @@ def test_auto_tries_moe_copies_alike_on_every_rank_and_leaves_the_routers_as_fou
                for r in got), [r["blocks"] for r in got]
     diff = differences(got, want)
     assert all(value <= TOL for value in diff.values()), diff
+
+
+@newest_only
+def test_the_copies_trials_through_the_pieces_under_megatrons_gpu_defaults(pool):
+    """Issue 41: COC_MULTI_COPY=2 COC_PARALLEL_NUM=auto COC_MOE_OVERLAP=1 under fused wgrad accumulation and
+    Megatron's DDP (tests/gpu_defaults): the block's trials run the copies' backward through the pieces,
+    whose experts' backward accumulated into parameters whose main_grad the trial had taken off
+    ("'Parameter' object has no attribute 'main_grad'" in DDP's hook). Trains as without coc-inject,
+    the trials leaving main_grad and DDP's buckets as found."""
+    from coc_inject.config import AUTO
+    from tests.gpu_defaults.test_gpu_defaults import assert_same
+
+    case = "tests.gpu_defaults.gpu_defaults_cases:train"
+    want = pool.run(case, kind="moe", ep=2)
+    got = pool.run(case, coc={"multi_copy": 2, "parallel_num": AUTO, "moe_overlap": "1"}, kind="moe", ep=2)
+    assert all(any("multi-copy" in d for d in r["decisions"]) for r in got), [r["decisions"] for r in got]
+    assert_same(got, want, "fp32")
