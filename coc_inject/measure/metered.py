@@ -99,7 +99,7 @@ def wrapper(exposure, name: str, original):
         record = Collective(wing, OPERATION.get(name, name), group, nbytes,
                             exposure.layers.current(phase == "backward"), phase, None)
         clock = exposure.clock_for(device, record)
-        profiled = _profiled(f"coc::{wing}::{name}")
+        profiled = _profiled(f"coc::{wing}::{record.op}")  # the wait's range names the same op
         if profiled is not None:
             profiled.__enter__()
         try:

@@ -1,9 +1,11 @@
 """COC_TRACE: one measured step of one rank as a Chrome-trace JSON (Perfetto, chrome://tracing).
 
-One file per rank and step, ``coc-trace-rank<R>-step<S>.json``, process ``rank R`` (pid = rank),
-times in microseconds from the step's begin (``displayTimeUnit`` ms). Tracks (threads):
+One directory per traced step, ``step<S>/`` (every rank's file of that step: the directory a trace
+tool loads as one distributed step), one file per rank, ``coc-trace-rank<R>-step<S>.json``, process
+``rank R`` (pid = rank), times in microseconds from the step's begin (``displayTimeUnit`` ms;
+``baseTimeNanoseconds`` the step's begin on the host clock). Tracks (threads):
 
-* ``compute``: the step (``ProfilerStep#S``, as torch.profiler names its steps) and inside it what
+* ``compute``: the step (``ProfilerStep#<S-1>``, as torch.profiler counts a job's steps from 0) and inside it what
   the rank did not wait for (``compute``) between the waits, each wait a span named for its
   collective (``wait tp all_reduce``, args: wing, op, group, bytes, layer, phase, exposed_ms).
   Waits that overlap each other (copies' threads) go to ``waits #2``, ``#3``, ...;
@@ -30,6 +32,10 @@ COMPUTE = "compute"
 
 def file_name(rank: int, step: int) -> str:
     return f"coc-trace-rank{rank}-step{step}.json"
+
+
+def step_directory(step: int) -> str:
+    return f"step{step}"
 
 
 def _lanes(spans: list) -> list:
@@ -91,7 +97,7 @@ def events(rank, step, begin, end, collectives, communication_times, layer_names
                  "layer": layer, "phase": record.phase}
         return found if record.copy is None else dict(found, copy=record.copy)
 
-    span(COMPUTE, f"ProfilerStep#{step}", "coc_step", begin, end, {"step": step, "collectives": len(collectives)})
+    span(COMPUTE, f"ProfilerStep#{step - 1}", "coc_step", begin, end, {"step": step, "collectives": len(collectives)})
     waits = [(record, max(begin, min(b, end)), max(begin, min(e, end))) for record in collectives
              for b, e in record.waits]
     for b, e in _uncovered(begin, end, [(b, e) for _, b, e in waits]):
@@ -111,9 +117,19 @@ def events(rank, step, begin, end, collectives, communication_times, layer_names
     return out
 
 
+def _distributed(rank: int) -> dict:
+    """kineto's ``distributedInfo`` (what HTA reads): the rank, and the world where there is one."""
+    import torch.distributed as dist
+
+    info = {"rank": rank}
+    if dist.is_available() and dist.is_initialized():
+        info.update(world_size=dist.get_world_size(), backend=str(dist.get_backend()))
+    return info
+
+
 def document(rank, step, begin, end, collectives, communication_times, layer_names) -> dict:
     return {"traceEvents": events(rank, step, begin, end, collectives, communication_times, layer_names),
-            "displayTimeUnit": "ms", "distributedInfo": {"rank": rank},
+            "displayTimeUnit": "ms", "baseTimeNanoseconds": int(begin * 1e9), "distributedInfo": _distributed(rank),
             "otherData": {"producer": f"coc-inject {__version__}", "rank": rank, "step": step,
                           "step_ms": round((end - begin) * 1e3, 6), "times": "microseconds from the step's begin"}}
 
@@ -135,9 +151,10 @@ def unwritable(directory) -> str | None:
 def write(directory, rank, step, begin, end, collectives, communication_times, layer_names):
     """Writes one step's trace into ``directory`` (made if missing); its path, or None (said once)
     where the directory cannot be written."""
-    path = os.path.join(str(directory), file_name(rank, step))
+    folder = os.path.join(str(directory), step_directory(step))
+    path = os.path.join(folder, file_name(rank, step))
     try:
-        os.makedirs(str(directory), exist_ok=True)
+        os.makedirs(folder, exist_ok=True)
         content = json.dumps(document(rank, step, begin, end, collectives, communication_times, layer_names))
         with open(path, "w", encoding="utf-8") as handle:
             handle.write(content)

@@ -10,6 +10,7 @@ import os
 import re
 
 TRACE_FILE = re.compile(r"coc-trace-rank(\d+)-step(\d+)\.json$")
+STEP_FOLDER = re.compile(r"step\d+")  # COC_TRACE's folder of one step's traces
 NO_MEASURE = "the job ran without COC_MEASURE (or COC_TRACE); run it with COC_MEASURE=1 to measure"
 
 
@@ -33,11 +34,14 @@ def read_json(path: str):
 
 
 def read(path: str) -> Input:
-    if os.path.isdir(path):
-        files = sorted(os.path.join(path, name) for name in os.listdir(path) if TRACE_FILE.search(name))
+    if os.path.isdir(path):  # a COC_TRACE directory (its step<S>/ folders) or one step's folder
+        folders = [path] + sorted(os.path.join(path, name) for name in os.listdir(path)
+                                  if STEP_FOLDER.fullmatch(name) and os.path.isdir(os.path.join(path, name)))
+        files = sorted(os.path.join(folder, name) for folder in folders for name in os.listdir(folder)
+                       if TRACE_FILE.search(name))
         if not files:
-            fail(f"{path} is a directory without trace files (coc-trace-rank<R>-step<S>.json, as COC_TRACE writes "
-                 "them)")
+            fail(f"{path} is a directory without trace files (step<S>/coc-trace-rank<R>-step<S>.json, as COC_TRACE "
+                 "writes them)")
         return Input(path, "traces", files=files)
     data = read_json(path)
     if isinstance(data, dict) and "traceEvents" in data:

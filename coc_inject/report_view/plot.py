@@ -23,7 +23,10 @@ def runs(files: list) -> dict:
         match = load.TRACE_FILE.search(os.path.basename(path))
         trace = load.trace(path) if match is None else None
         rank, step = (int(match.group(1)), int(match.group(2))) if match else (trace["rank"], trace["step"])
-        out.setdefault(os.path.dirname(os.path.abspath(path)), {}).setdefault(rank, {})[step] = path
+        directory = os.path.dirname(os.path.abspath(path))
+        if load.STEP_FOLDER.fullmatch(os.path.basename(directory)):  # a run is the COC_TRACE directory above
+            directory = os.path.dirname(directory)
+        out.setdefault(directory, {}).setdefault(rank, {})[step] = path
     return out
 
 

@@ -191,7 +191,7 @@ def test_plot_draws_off_and_on_side_by_side(tmp_path, capsys):
 def test_plot_from_the_traces_a_report_lists(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     traced = traced_run(tmp_path / "traces", 10.0)
-    content = dict(ON, communication=dict(ON["communication"], traces=[str(traced / "coc-trace-rank0-step2.json")]))
+    content = dict(ON, communication=dict(ON["communication"], traces=[str(traced / "step2" / "coc-trace-rank0-step2.json")]))
     png = tmp_path / "one.png"
     assert run(*files(tmp_path, r0=content), "--plot", png) == 0
     out = capsys.readouterr().out

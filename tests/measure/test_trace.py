@@ -147,7 +147,7 @@ def test_waits_lie_inside_the_step_and_compute_fills_the_rest():
     document, records = build()
     by_track = tracks(document)
     step = [e for e in by_track["compute"] if e["cat"] == "coc_step"]
-    assert [e["name"] for e in step] == ["ProfilerStep#2"] and step[0]["ts"] == 0
+    assert [e["name"] for e in step] == ["ProfilerStep#1"] and step[0]["ts"] == 0
     assert step[0]["dur"] == pytest.approx(10000.0)
     waits = [e for events in by_track.values() for e in events if e["cat"] == "coc_wait"]
     assert len(waits) == sum(len(r.waits) for r in records)
@@ -185,14 +185,14 @@ def test_spans_never_cross_as_a_reader_adds_them_up():
 def test_a_step_without_collectives_is_all_compute():
     document, _ = build([])
     assert chrome_trace_problems(document) == []
-    assert [(e["name"], e["dur"]) for e in tracks(document)["compute"]] == [("ProfilerStep#2", pytest.approx(1e4)),
+    assert [(e["name"], e["dur"]) for e in tracks(document)["compute"]] == [("ProfilerStep#1", pytest.approx(1e4)),
                                                                            ("compute", pytest.approx(1e4))]
 
 
 def test_write_makes_the_directory_and_names_the_file_by_rank_and_step(tmp_path):
     records = step_records()
     path = trace.write(tmp_path / "a" / "b", 1, 7, BEGIN, END, records, communication_times(records), LAYERS)
-    assert path == str(tmp_path / "a" / "b" / "coc-trace-rank1-step7.json")
+    assert path == str(tmp_path / "a" / "b" / "step7" / "coc-trace-rank1-step7.json")
     document = json.loads(open(path, encoding="utf-8").read())
     assert chrome_trace_problems(document) == [] and document["otherData"]["step"] == 7
 
@@ -246,3 +246,22 @@ def test_trace_steps_past_the_jobs_end_are_said_at_its_end(tmp_path):
     exposure.finish()
     (line,) = exposure.report()["trace_warnings"]
     assert line.startswith("COC_TRACE_STEPS=5-6: the job ended after step 3, before the first traced step")
+
+
+def test_holistic_trace_analysis_loads_every_rank_of_every_traced_step(tmp_path):
+    """#43 item 6: HTA's loader (holistictraceanalysis, a test dependency: Makefile's HTA_PACKAGES) reads
+    each traced step's folder as one distributed step, every rank in it, the step named as torch.profiler
+    counts it; a directory with two traced steps no longer mixes them."""
+    hta = pytest.importorskip("hta.trace_analysis", reason="holistictraceanalysis is not installed (make test installs it)")
+    for step in (2, 3):
+        for rank in (0, 1):
+            records = step_records()
+            trace.write(tmp_path, rank, step, BEGIN, END, records, communication_times(records), LAYERS)
+    for step in (2, 3):
+        loaded = hta.TraceAnalysis(trace_dir=str(tmp_path / f"step{step}")).t
+        assert sorted(loaded.traces) == [0, 1]
+        names = loaded.symbol_table.sym_index
+        assert f"ProfilerStep#{step - 1}" in names and f"ProfilerStep#{step}" not in names
+        for rank in (0, 1):
+            frame = loaded.get_trace(rank)
+            assert len(frame) > 0 and (frame["dur"] >= 0).all()
