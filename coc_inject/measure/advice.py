@@ -29,7 +29,9 @@ def line(what: str, summary: dict) -> str:
     step = f" in {_ms(summary['step_s'])} ms of steps" if summary.get("step_s") else ""
     wings = sorted(summary["wings"].items(), key=lambda item: -item[1]["communication_s"])
     parts = "; ".join(_part(name, row) for name, row in wings) or "no collective"
-    return f"{what}: {_part('communication', summary['total'])}{step}; {parts}"
+    peers = summary["total"].get("peers_s") or 0.0
+    waited = f"; {_ms(peers)} ms waiting for slower ranks (not charged to any wing)" if peers >= 5e-4 else ""
+    return f"{what}: {_part('communication', summary['total'])}{step}{waited}; {parts}"
 
 
 def wings_on(config) -> list:

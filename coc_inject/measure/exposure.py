@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from coc_inject import log, meter, trial
-from coc_inject.measure import advice, attribution, clocks, records
+from coc_inject.measure import advice, attribution, clocks, peers, records
 from coc_inject.measure.layers import Layers
 
 PER_STEP_KEPT = 1000  # compact rows in the report; the sums cover every measured step
@@ -44,6 +44,7 @@ class Exposure:
         self.trial_steps: list = []  # measured steps in which auto's trials ran
         self._trials_at_begin = trial.entered()
         self._finished = False
+        self._own = False  # the meter's own collective (peers.py) is in flight
         self._window: list = []  # the last COC_MEASURE_EVERY steps' sums
         self.per_step: list = []
         self.warnings: list = []
@@ -54,7 +55,7 @@ class Exposure:
     # -- the hot path -------------------------------------------------------------------------
 
     def paused(self) -> bool:
-        return trial.active()  # auto's trials are not the job's communication
+        return self._own or trial.active()  # auto's trials, the meter's own reduce: not the job's communication
 
     def clock_for(self, device_type: str, record):
         module = clocks.device_module(device_type)
@@ -115,6 +116,8 @@ class Exposure:
     def end_step(self) -> None:
         end = meter.now()
         if self.recording:
+            if self._device_clock is None:
+                self._separate_peers()
             trials = trial.entered() != self._trials_at_begin
             self._pending.append((self.step, self._records, self._begin, end, self._device_clock, trials))
         self._records = []
@@ -130,6 +133,18 @@ class Exposure:
         self._resolve(wait=False)
         self._begin = meter.now()  # the meter's own work here (sums, names, a trace) is no step's
         self._trials_at_begin = trial.entered()
+
+    def _separate_peers(self) -> None:
+        """Host clock: each collective's wait for slower ranks told apart (peers.py), every rank at its step's end."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        self._own = True
+        try:
+            peers.separate(self._records)
+        finally:
+            self._own = False
 
     def finish(self) -> None:
         """At exit: the step in progress is not a step; the pending ones are resolved (one sync)."""

@@ -93,11 +93,12 @@ def wrapper(exposure, name: str, original):
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         wing = attribution.issuer()
         phase = attribution.phase(wing)
-        group = exposure.group_name(_group(name, args, kwargs))
+        handle = _group(name, args, kwargs)
+        group = exposure.group_name(handle)
         if group in attribution.EXPERT_GROUPS and wing.startswith("megatron"):
             wing = "megatron moe"  # its all-to-all's backward runs in the mappings alone (no MoE frame above)
         record = Collective(wing, OPERATION.get(name, name), group, nbytes,
-                            exposure.layers.current(phase == "backward"), phase, None)
+                            exposure.layers.current(phase == "backward"), phase, None, handle=handle)
         clock = exposure.clock_for(device, record)
         profiled = _profiled(f"coc::{wing}::{record.op}")  # the wait's range names the same op
         if profiled is not None:

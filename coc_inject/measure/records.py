@@ -6,28 +6,45 @@ the call itself), ``done`` when the network finished it where the backend says s
 else the end of its last wait. Its **communication** time is ``done`` less the later of ``issued``
 and the previous collective's ``done`` on the same group (collectives on one group queue behind each
 other, so a chunk issued while the previous one is in flight is not charged that one's time); its
-**exposed** time is the sum of its waits; **hidden** is what of the communication the rank did not
-wait for.
+**exposed** time is the sum of its waits less the part spent waiting for slower ranks (its **peers**
+time, peers.py: on the host clock), which its communication loses too; **hidden** is what of the
+communication the rank did not wait for.
 """
 
 from __future__ import annotations
+
+NO_GROUP = object()  # a record made without its process group (peers.py leaves it out)
 
 
 class Collective:
     """One collective call: who issued it and when it went out, was waited for and finished."""
 
-    __slots__ = ("wing", "op", "group", "bytes", "layer", "phase", "issued", "waits", "done", "marks", "copy")
+    __slots__ = ("wing", "op", "group", "bytes", "layer", "phase", "issued", "waits", "done", "marks", "copy",
+                 "handle", "skew")
 
-    def __init__(self, wing, op, group, nbytes, layer, phase, issued, copy=None):
+    def __init__(self, wing, op, group, nbytes, layer, phase, issued, copy=None, handle=NO_GROUP):
         self.wing, self.op, self.group, self.bytes = wing, op, group, nbytes
         self.layer, self.phase, self.issued, self.copy = layer, phase, issued, copy
         self.waits: list = []  # [(begin, end)]
         self.done = None
         self.marks = None  # device events not yet resolved (clocks.DeviceClock)
+        self.handle = handle  # the process group object (None: the world; NO_GROUP: unknown), for peers.py
+        self.skew = 0.0  # how much longer than the group's fastest rank it was in flight (peers.py)
+
+    @property
+    def waited(self) -> float:
+        """Every wait, the peers' part included."""
+        return sum(end - begin for begin, end in self.waits)
+
+    @property
+    def peers(self) -> float:
+        """Of the waits, the time spent waiting for slower ranks (peers.py), not for the link."""
+        return min(self.waited, self.skew)
 
     @property
     def exposed(self) -> float:
-        return sum(end - begin for begin, end in self.waits)
+        """The waits less the time spent waiting for slower ranks."""
+        return self.waited - self.peers
 
     @property
     def finished(self) -> float:
@@ -46,17 +63,19 @@ def communication_times(collectives) -> list:
     for index in sorted(range(len(collectives)), key=lambda i: collectives[i].finished):
         record = collectives[index]
         start = max(record.issued, previous.get(record.group, record.issued))
-        times[index] = max(record.finished - start, record.exposed)
+        times[index] = max(record.finished - start - record.skew, record.exposed)
         previous[record.group] = record.finished
     return times
 
 
 def _add(into: dict, key, record: Collective, communication: float) -> None:
-    row = into.setdefault(key, {"collectives": 0, "bytes": 0, "communication_s": 0.0, "exposed_s": 0.0})
+    row = into.setdefault(key, {"collectives": 0, "bytes": 0, "communication_s": 0.0, "exposed_s": 0.0,
+                                "peers_s": 0.0})
     row["collectives"] += 1
     row["bytes"] += record.bytes
     row["communication_s"] += communication
     row["exposed_s"] += record.exposed
+    row["peers_s"] += record.peers
 
 
 def _finish(rows: dict) -> dict:
@@ -79,7 +98,7 @@ def summarize(collectives, seconds: float | None = None) -> dict:
         _add(wings, record.wing, record, communication)
         _add(kinds, kind(record), record, communication)
         _add(layers, (record.layer, record.phase, record.wing), record, communication)
-    total = {"all": {"collectives": 0, "bytes": 0, "communication_s": 0.0, "exposed_s": 0.0}}
+    total = {"all": {"collectives": 0, "bytes": 0, "communication_s": 0.0, "exposed_s": 0.0, "peers_s": 0.0}}
     for record, communication in zip(collectives, times):
         _add(total, "all", record, communication)
     return {"step_s": seconds, "total": _finish(total)["all"],
@@ -89,7 +108,7 @@ def summarize(collectives, seconds: float | None = None) -> dict:
 def merged(summaries: list) -> dict:
     """Several steps' sums added up (their step times too)."""
     out = {"step_s": 0.0, "steps": sum(summary.get("steps", 1) for summary in summaries), "total": {"collectives": 0, "bytes": 0, "communication_s": 0.0,
-                                                          "exposed_s": 0.0}, "wings": {}, "collectives": {}, "layers": {}}
+                                                          "exposed_s": 0.0, "peers_s": 0.0}, "wings": {}, "collectives": {}, "layers": {}}
     for summary in summaries:
         out["step_s"] += summary.get("step_s") or 0.0
         for part in ("wings", "collectives", "layers"):
@@ -103,7 +122,7 @@ def merged(summaries: list) -> dict:
 
 
 def _sum_into(into: dict, row: dict) -> None:
-    for field in ("collectives", "bytes", "communication_s", "exposed_s"):
+    for field in ("collectives", "bytes", "communication_s", "exposed_s", "peers_s"):
         into[field] = into.get(field, 0) + row.get(field, 0)
 
 

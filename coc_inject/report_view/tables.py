@@ -21,7 +21,8 @@ def per_step(row: dict, steps: int) -> dict:
     hidden = max(0.0, communication - exposed)
     return {"collectives": row.get("collectives", 0) / steps, "bytes": row.get("bytes", 0) / steps,
             "communication_ms": 1e3 * communication / steps, "exposed_ms": 1e3 * exposed / steps,
-            "hidden_ms": 1e3 * hidden / steps, "hidden_pct": 100.0 * hidden / communication if communication > 0 else 0.0}
+            "hidden_ms": 1e3 * hidden / steps, "hidden_pct": 100.0 * hidden / communication if communication > 0 else 0.0,
+            "peers_ms": 1e3 * row.get("peers_s", 0.0) / steps}
 
 
 def _by_exposed(rows: dict) -> list:
@@ -85,6 +86,9 @@ def communication_text(figures: dict) -> str:
              + (f" (first measured step {first['step']}: {first['step_ms']:.1f} ms)" if first["step"] else "")]
     lines.append("  per wing")
     lines += _table(list(figures["wings"].items()) + [("all", figures["total"])])
+    if figures["total"]["peers_ms"] >= 0.05:
+        lines.append(f"  waiting for slower ranks: {figures['total']['peers_ms']:.2f} ms per step (host clock; not in "
+                     "any row's exposed ms)")
     lines.append("  per collective (group and operation)")
     lines += _table(list(figures["collectives"].items()))
     lines.append(f"  layers (top {figures['layers_shown']} of {figures['layers_total']} by exposed ms; "
@@ -151,4 +155,8 @@ def side_by_side_text(figures: dict) -> str:
     lines.append("  per wing:")
     lines += ["  " + _change(wing, pair) for wing, pair in figures["wings"].items()]
     lines.append(_change("all communication", figures["total"]))
+    peers = figures["total"]
+    if max(row["peers_ms"] if row else 0.0 for row in peers.values()) >= 0.05:
+        lines.append(f"  waiting for slower ranks: {peers['off']['peers_ms']:.1f} ms -> {peers['on']['peers_ms']:.1f} ms "
+                     "per step (not in the exposed figures)")
     return "\n".join(lines)

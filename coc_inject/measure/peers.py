@@ -1,0 +1,36 @@
+"""Waiting for slower ranks, told apart from communication (host clock).
+
+On the host clock a rank that reaches a collective early waits for its peers to arrive: that wait is
+skew (another rank's compute, its descheduling), not what the link cost, and it must not be charged
+to the wing that issued the collective. The rank that arrived last saw the collective's own time:
+so at a measured step's end, per group, the in-flight times (issue to done) of that step's
+collectives on it are MIN-reduced over the group (one all-reduce per group, in the order the groups
+first appear: the program order, the same on every rank, since every member issues a group's
+collectives in one order). A collective's **peers** time is how much longer than that minimum it was
+in flight on this rank (its ``skew``): its communication time loses it, and the part of its waits it
+covers is booked as *wait for peers* (``peers``), not as exposed communication.
+
+On a device the events resolve later, at different steps on different ranks, so no collective can
+be issued then: the device clock's figures keep any skew (docs/measuring.md).
+"""
+
+from __future__ import annotations
+
+from coc_inject.measure.records import NO_GROUP
+
+
+def separate(records: list) -> None:
+    """Sets each host-clock record's ``skew`` (seconds) from its group's MIN in-flight time."""
+    import torch
+    import torch.distributed as dist
+
+    by_group: dict = {}
+    for record in records:
+        if record.marks is None and record.handle is not NO_GROUP:
+            by_group.setdefault(id(record.handle), (record.handle, []))[1].append(record)
+    for handle, rows in by_group.values():
+        in_flight = torch.tensor([r.finished - r.issued for r in rows], dtype=torch.float64)
+        fastest = in_flight.clone()
+        dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=handle)
+        for record, mine, least in zip(rows, in_flight.tolist(), fastest.tolist()):
+            record.skew = max(0.0, mine - least)
