@@ -185,6 +185,8 @@ def test_what_the_pieces_do_not_run_goes_to_megatron_with_its_reason(pool):
         "fp8": "FP8", "delay_wgrad_compute": "delay_wgrad_compute", "TEGroupedMLP": "TEGroupedMLP experts",
         "flex": "flex dispatcher (DeepEP",
     }
+    assert set(expected) - set(reasons) <= {"overlap_moe_expert_parallel_comm"}  # not a field before 0.14
+    expected = {case: words for case, words in expected.items() if case in reasons}
     assert sorted(reasons) == sorted(expected)
     for case, words in expected.items():
         assert words in reasons[case], (case, reasons[case])
