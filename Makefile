@@ -1,23 +1,30 @@
 # The two commands of the README:
 #   make demo   the main job: an unmodified tiny GPT pretraining script under torchrun (TP=2,
 #               sequence parallel, CPU + gloo), CoC off then on via the environment only
-#   make test   the full test suite on the newest megatron-core, plus the layer, guard and
-#               end-to-end suites on an older and the oldest supported release, each in its own venv
+#   make test   the full test suite on the newest megatron-core, plus the layer, guard, end-to-end,
+#               CP, copies and MoE suites on a middle and the oldest supported release, and the MoE
+#               suite on an older one, each in its own venv
 # Both create their virtual environments on first use. torch is pinned to the local CPU wheel
 # first, so nothing pulls a multi-GB CUDA build from the registry.
 #
 # megatron-core >= 0.17 declares requires-python >= 3.12 but its wheel runs on 3.11: it is
 # installed with --no-deps --ignore-requires-python, then its own requirements (numpy,
-# packaging; from 0.18 `import megatron.core` also imports triton).
+# packaging; from 0.18 `import megatron.core` also imports triton). 0.12.x declares a training stack
+# (nvidia-modelopt[torch], wandb, zarr, tensorstore, ...; modelopt would pull another torch): it is
+# installed with --no-deps too, then the two `import megatron.core` needs (pip then names the rest
+# as not installed: nothing the tests or a CoC job import).
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 MEGATRON_NEWEST ?= 0.19.2
 MEGATRON_NEWEST_REQUIRES ?= numpy "packaging>=24.2" triton
 MEGATRON_MIDDLE ?= 0.16.1
-MEGATRON_OLDEST ?= 0.13.1
+MEGATRON_OLDER ?= 0.13.1
+MEGATRON_OLDEST ?= 0.12.1
+MEGATRON_OLDEST_REQUIRES ?= numpy packaging
 VENV ?= .venv
 VENV_MIDDLE ?= .venv-megatron-$(MEGATRON_MIDDLE)
+VENV_OLDER ?= .venv-megatron-$(MEGATRON_OLDER)
 VENV_OLDEST ?= .venv-megatron-$(MEGATRON_OLDEST)
 SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/dev/null)
 # What runs on the older releases: the suites that touch Megatron's layers or launch a job.
@@ -26,13 +33,15 @@ LAYER_SUITES := tests/linears/test_layers_tp2.py tests/linears/test_layers_tp4.p
 # Context parallelism on the older releases: the CP=2 GPT cases and the construction errors. TEST_SCOPE=older-release
 # skips the cases marked newest_only (tests/scope.py): coc-inject's own logic, tested once on the newest release.
 CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_copy.py tests/multi_copy/test_sequence_copies.py
-# MoE on the older releases: every case but expert biases (0.13 refuses them for MoE).
+# MoE on the older releases: every case but expert biases (0.13 refuses them for MoE). 0.13 to 0.15 run the
+# pieces through the dispatcher's stages (0.16+: the layer's), 0.12 has neither (Megatron's dispatcher, said):
+# $(MEGATRON_OLDER) runs this suite alone, for that path (its linears, CP and copies are 0.16.1's code paths).
 MOE_SUITES := tests/moe/test_moe.py
 
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-oldest bench bench-link bench-startup bench-accounting bench-measure bench-cp-memory bench-attention bench-attention-link bench-flash device-check clean
+.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-older test-oldest bench bench-link bench-startup bench-accounting bench-measure bench-cp-memory bench-attention bench-attention-link bench-flash device-check clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -62,15 +71,19 @@ bench-link: $(VENV)/.installed
 	$(VENV)/bin/coc-inject bench --link $(LINK) --out benchmarks/out/link-$(LINK)
 
 # The older releases' suites run side by side (each in its own venv; output kept per suite): much of
-# their time is waiting on ranks and launches, and the two cores are not both busy.
+# their time is waiting on ranks and launches, and the two cores are not both busy. Two at a time, the
+# longest first: the third starts when one of them ends.
 test: test-newest
-	$(MAKE) --no-print-directory -j2 -Otarget test-middle test-oldest
+	$(MAKE) --no-print-directory -j2 -Otarget test-middle test-oldest test-older
 
 test-newest: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
 
 test-middle: $(VENV_MIDDLE)/.installed
 	TEST_SCOPE=older-release $(VENV_MIDDLE)/bin/python -m pytest $(LAYER_SUITES) $(CP_SUITES) $(MOE_SUITES)
+
+test-older: $(VENV_OLDER)/.installed
+	TEST_SCOPE=older-release $(VENV_OLDER)/bin/python -m pytest $(MOE_SUITES)
 
 test-oldest: $(VENV_OLDEST)/.installed
 	TEST_SCOPE=older-release $(VENV_OLDEST)/bin/python -m pytest $(LAYER_SUITES) $(CP_SUITES) $(MOE_SUITES)
@@ -144,20 +157,24 @@ $(VENV)/.installed: $(SOURCES)
 
 # The older releases' venvs start as a hard-linked copy of $(VENV)'s packages (the same torch wheel:
 # linking takes seconds, installing it again ~25 s each) without megatron-core, this package and the
-# newest release's own requirements; pip then installs the older megatron-core with its requirements.
+# newest release's own requirements; pip then installs the older megatron-core with its requirements
+# ($(3): those requirements where $(2) skips them).
 define make_older_venv
 	test -x $(1)/bin/python || { $(PYTHON) -m venv $(1) \
 		&& cp -al --remove-destination $(VENV)/lib/. $(1)/lib/ \
 		&& $(1)/bin/python -m pip uninstall -q -y --disable-pip-version-check megatron-core coc-inject \
 			$(MEGATRON_NEWEST_REQUIRES); }
-	$(call make_venv,$(1),$(2))
+	$(call make_venv,$(1),$(2),$(3))
 endef
 
 $(VENV_MIDDLE)/.installed: $(VENV)/.installed $(SOURCES)
 	$(call make_older_venv,$(VENV_MIDDLE),megatron-core==$(MEGATRON_MIDDLE))
 
+$(VENV_OLDER)/.installed: $(VENV)/.installed $(SOURCES)
+	$(call make_older_venv,$(VENV_OLDER),megatron-core==$(MEGATRON_OLDER))
+
 $(VENV_OLDEST)/.installed: $(VENV)/.installed $(SOURCES)
-	$(call make_older_venv,$(VENV_OLDEST),megatron-core==$(MEGATRON_OLDEST))
+	$(call make_older_venv,$(VENV_OLDEST),--no-deps megatron-core==$(MEGATRON_OLDEST),$(MEGATRON_OLDEST_REQUIRES))
 
 clean:
-	rm -rf $(VENV) $(VENV_MIDDLE) $(VENV_OLDEST) build coc_inject.egg-info .pytest_cache
+	rm -rf $(VENV) $(VENV_MIDDLE) $(VENV_OLDER) $(VENV_OLDEST) build coc_inject.egg-info .pytest_cache

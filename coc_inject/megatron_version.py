@@ -1,7 +1,7 @@
 """Which megatron-core release a job runs, and whether coc-inject patches it.
 
 The version is the one of the ``megatron.core`` *module*: ``megatron.core.package_info.__version__``
-(every release 0.13 ... 0.19 and main have it), not the installed distribution's metadata. A
+(every release 0.12 ... 0.19 and main have it), not the installed distribution's metadata. A
 Megatron-LM checkout on ``sys.path`` has no distribution, or shadows one of another release.
 Distribution metadata is the fallback only where the module has no version and that distribution
 is the one that installed the module found.
@@ -21,7 +21,7 @@ INFO_MODULE = "megatron.core.package_info"
 DISTRIBUTION = "megatron-core"
 
 # Oldest and newest megatron-core minor release this version is tested against (Makefile, CI).
-TESTED_MEGATRON = ((0, 13), (0, 19))
+TESTED_MEGATRON = ((0, 12), (0, 19))
 TESTED = "tested"
 UNTESTED = "untested"  # outside the tested range or unknown, patched because COC_ALLOW_UNTESTED_MEGATRON=1
 UNSUPPORTED = "unsupported"  # outside the tested range: left unpatched

@@ -83,7 +83,7 @@ def test_untested_megatron_version_is_left_alone_and_said(monkeypatch, version):
     assert not linears.is_installed()
     assert len(warnings) == 1
     assert (f"CoC NOT applied: megatron-core {version} from directory /checkout is outside the tested range "
-            "0.13 .. 0.19.x") in warnings[0]
+            "0.12 .. 0.19.x") in warnings[0]
     assert "COC_ALLOW_UNTESTED_MEGATRON=1" in warnings[0]
 
 
@@ -157,10 +157,10 @@ def test_uninstall_restores_every_attribute_both_wings_patched(monkeypatch):
 
 
 @pytest.mark.parametrize("version,allow,support", [
-    ("0.13.1", False, "tested"), ("0.16.1", False, "tested"), ("0.17.1", False, "tested"),
+    ("0.12.1", False, "tested"), ("0.13.1", False, "tested"), ("0.16.1", False, "tested"), ("0.17.1", False, "tested"),
     ("0.18.2", False, "tested"), ("0.19.2", False, "tested"), ("0.19.3rc0", False, "tested"),
-    ("0.12.3", False, "unsupported"), ("0.20.0", False, "unsupported"), ("0.20.0", True, "untested"),
-    ("0.12.3", True, "untested"), ("0.19.2+1a2b3c4", False, "tested"), ("0.20.0rc0", False, "unsupported"),
+    ("0.11.0", False, "unsupported"), ("0.20.0", False, "unsupported"), ("0.20.0", True, "untested"),
+    ("0.11.0", True, "untested"), ("0.19.2+1a2b3c4", False, "tested"), ("0.20.0rc0", False, "unsupported"),
     ("", False, "unknown"), ("dev", False, "unknown"), (None, False, "unknown"), ("1", False, "unknown"),
     ("", True, "untested"), ("dev", True, "untested"), (None, True, "untested"),
 ])

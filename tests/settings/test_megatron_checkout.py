@@ -150,7 +150,7 @@ def test_newer_checkout_is_left_unpatched_naming_its_version(imports_of_099, env
     stdout, said = imports_of_099[False]
     assert "patched: False" in stdout
     assert said == [f"[coc-inject] CoC NOT applied: megatron-core 0.99.0 from directory {env['checkout99']} is "
-                    "outside the tested range 0.13 .. 0.19.x; set COC_ALLOW_UNTESTED_MEGATRON=1 to try it anyway"]
+                    "outside the tested range 0.12 .. 0.19.x; set COC_ALLOW_UNTESTED_MEGATRON=1 to try it anyway"]
 
 
 def test_newer_checkout_is_patched_when_opted_in(imports_of_099):
