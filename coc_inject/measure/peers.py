@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from coc_inject.measure.records import NO_GROUP
 
+POINT_TO_POINT = ("send/recv", "send", "recv", "isend", "irecv")
+
 
 def separate(records: list) -> None:
     """Sets each host-clock record's ``skew`` (seconds) from its group's MIN in-flight time."""
@@ -26,7 +28,8 @@ def separate(records: list) -> None:
 
     by_group: dict = {}
     for record in records:
-        if record.marks is None and record.handle is not NO_GROUP:
+        # point-to-point ops involve two ranks of their group, not all: no group-wide reduce can pair them
+        if record.marks is None and record.handle is not NO_GROUP and record.op not in POINT_TO_POINT:
             by_group.setdefault(id(record.handle), (record.handle, []))[1].append(record)
     for handle, rows in by_group.values():
         in_flight = torch.tensor([r.finished - r.issued for r in rows], dtype=torch.float64)
