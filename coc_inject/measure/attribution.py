@@ -18,7 +18,7 @@ from coc_inject import copy_context
 # over ranks; the settings agreement goes through the store): never a wing's communication. First: it
 # runs inside a wing's frames.
 CONTROL = ("coc_inject.tuning", "coc_inject.timer", "coc_inject.pipeline.agreement")
-COC_INJECT = "coc-inject"
+OWN_TRAFFIC = "coc-inject"
 WINGS = (("coc_inject.linears", "linears"), ("coc_inject.pipeline", "linears"),
          ("coc_inject.context_parallel", "context_parallel"), ("coc_inject.attention_kernels", "context_parallel"),
          ("coc_inject.moe", "moe"), ("coc_inject.multi_copy", "multi_copy"))
@@ -53,7 +53,7 @@ def issuer(depth: int = 2) -> str:
             elif owner is not None:
                 break  # Megatron's code made the call
             elif name.startswith(CONTROL):
-                return COC_INJECT
+                return OWN_TRAFFIC
             else:
                 for prefix, wing in WINGS:
                     if name.startswith(prefix):

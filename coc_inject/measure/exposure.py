@@ -187,9 +187,10 @@ class Exposure:
         if not in_range(step, self.config.measure):
             return
         self.total = records.merged([self.total, summary] if self.total is not None else [summary])
+        steady = not trials and self.first is not None  # neither the first measured step nor one with trials
         if trials:
             self.trial_steps.append(step)
-        elif self.first is not None:  # steady: neither the first measured step nor one with trials
+        elif steady:
             self.steady = records.merged([self.steady, summary] if self.steady is not None else [summary])
             self.steady_steps.append(step)
         if len(self.per_step) < PER_STEP_KEPT:
@@ -199,10 +200,12 @@ class Exposure:
             self.first = dict(summary, step=step)
             self._say(f"step {step}", summary)
         every = self.config.measure_every
-        if every:
-            self._window.append(summary)
+        if every and steady:  # a line every COC_MEASURE_EVERY steady steps, naming them
+            self._window.append((step, summary))
             if len(self._window) == every:
-                self._say(f"steps {step - every + 1}-{step}", records.merged(self._window))
+                steps = [at for at, _ in self._window]
+                self._say(f"steady step{'s' if every > 1 else ''} {records.step_runs(steps)}",
+                          records.merged([part for _, part in self._window]))
                 self._window = []
 
     def steady_label(self) -> str:

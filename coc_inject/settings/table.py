@@ -208,11 +208,13 @@ SETTINGS = (
     Setting("COC_MEASURE", "measure", StepRange(MEASURE_ALLOWED, on_means=(1, None)), None,
             "Exposed communication per wing: every collective of the measured steps (coc-inject's and Megatron's "
             "own) timed in flight and where the rank waited for it, summed per wing, per collective and per "
-            "layer: in the first-step summary, every COC_MEASURE_EVERY steps, in COC_REPORT and `coc-inject "
+            "layer: in the first-step summary, every COC_MEASURE_EVERY steady steps, at the run's end (its steady "
+            "steps: the first measured one and those with auto's trials left out), in COC_REPORT and `coc-inject "
             "report`. Off costs nothing; its cost on: `make bench-accounting`. Arms coc-inject on its own.",
             default_text="0", arms=UNLESS_OFF),
     Setting("COC_MEASURE_EVERY", "measure_every", AtLeast(0, "an integer >= 0 (0: the first step and the end only)"),
-            0, "With COC_MEASURE: also a line per wing every K measured steps (the last K steps' figures).",
+            0, "With COC_MEASURE: also a line per wing every K steady steps (the last K steady steps' figures: the "
+               "first measured step and steps with auto's trials left out).",
             needs=MEASURING),
     Setting("COC_MEASURE_WARN", "measure_warn", Percent("an integer percent from 0 to 100 (0: never warn)"), 20,
             "With COC_MEASURE: warn when a wing that is on hides less than this share of its communication "

@@ -331,10 +331,11 @@ def test_a_line_every_k_measured_steps(measured, said):
     all_reduce = metered.wrapper(exposure, "all_reduce", network.collective("all_reduce", 0.001))
     for step in range(1, 6):
         model.step(all_reduce, calls=step)
-    lines = [line for line in said() if line.startswith(("step", "steps"))]
-    assert [line.split(":")[0] for line in lines] == ["step 1", "steps 1-2", "steps 3-4"]
+    lines = [line for line in said() if line.startswith(("step", "steady"))]
+    # the first measured step alone, then every 2 steady steps (the first left out of them)
+    assert [line.split(":")[0] for line in lines] == ["step 1", "steady steps 2-3", "steady steps 4-5"]
     assert ", 1 collectives)" in lines[0]
-    assert ", 3 collectives)" in lines[1] and ", 7 collectives)" in lines[2]
+    assert ", 5 collectives)" in lines[1] and ", 9 collectives)" in lines[2]
 
 
 def test_auto_trials_are_not_recorded(measured):

@@ -25,7 +25,8 @@ PER_SHAPE = "once per call shape"
 PER_MASK = "once per mask tensor"
 HOST_TENSOR = "per call, of a host tensor: no device read"
 PER_CALL = "per call"
-FREQUENCIES = (NOT_IN_A_JOB, PER_PROCESS, PER_GROUP, PER_SHAPE, PER_MASK, HOST_TENSOR, PER_CALL)
+PER_MEASURED_STEP = "once per measured step, at its end, of a host tensor (COC_MEASURE on CPU ranks)"
+FREQUENCIES = (NOT_IN_A_JOB, PER_PROCESS, PER_GROUP, PER_SHAPE, PER_MASK, HOST_TENSOR, PER_MEASURED_STEP, PER_CALL)
 
 # (module under coc_inject/ or a folder ending in "/", enclosing function or "*", call, frequency, why)
 ALLOWED = [
@@ -43,6 +44,8 @@ ALLOWED = [
      "classified in one read, cached by the tensor's identity and version; never where Megatron ignores it"),
     ("context_parallel/masks.py", "classify", "*", PER_MASK,
      "device reductions (.all / .any), no read: the one read of their flags is _read's"),
+    ("measure/peers.py", "separate", "tolist", PER_MEASURED_STEP,
+     "the host clock's in-flight times and their MIN over the group: CPU tensors, no device read"),
     ("moe/counts.py", "split", "tolist", HOST_TENSOR,
      "the host tensor Megatron's own device-to-host copy brought and its sync point waited for"),
 ]
