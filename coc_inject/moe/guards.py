@@ -13,7 +13,7 @@ from coc_inject.allowlist import check
 # What status names as running on Megatron's path (the reasons below, briefly).
 WITHOUT_PIECES = ("the allgather and flex dispatchers", "grouped / Transformer Engine experts", "EP 1", "FP8 / FP4",
                   "permute fusion", "padding to capacity", "Megatron's own EP or shared-expert overlap",
-                  "CUDA graphs", "inference mode",
+                  "CUDA graphs", "inference mode", "megatron-core 0.12 (no dispatcher stages to take over)",
                   "a setting the allow-list refuses or does not classify (docs/settings-allowlist.md)")
 
 # The layer's own objects the pieces run (an allow-list: any other runs Megatron's dispatcher, with the reason).
