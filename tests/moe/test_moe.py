@@ -219,7 +219,6 @@ def test_expert_tensor_parallelism(pool, experts):
     check_exact(results, -(-8 // local))
 
 
-@needs_stages
 def test_multi_copy_runs_blocks_of_moe_layers_as_copies_their_pieces_inside_each(pool):
     """A block with MoE layers runs as copies (each copy's dispatcher state its own), its MoE layers in
     pieces inside each copy, the same training as coc-inject off (tests/multi_copy/test_multi_copy_moe.py:
@@ -227,7 +226,7 @@ def test_multi_copy_runs_blocks_of_moe_layers_as_copies_their_pieces_inside_each
     got = train(pool, {"moe_overlap": "1", "multi_copy": 2}, ep=2)
     for r in got:
         assert r["blocks"] == [None], r["blocks"]
-        assert r["routes"] and all(route == ("pieces", 4) for route in r["routes"]), r["routes"]
+        assert pieces_or_no_stages(r["routes"], 4), r["routes"]  # 0.12: the copies run, Megatron's dispatcher in each
 
 
 @pytest.mark.parametrize("coc,reference,model,pieces", [
