@@ -51,10 +51,8 @@ def layer_reason(layer) -> str | None:
     if experts not in EXPERTS:
         return (f"{experts} experts (grouped GEMM, Transformer Engine): one kernel for all local experts; "
                 "pieces need SequentialMLP")
-    from coc_inject.moe import stages  # stages imports calls, which imports this module
-
     missing = (_missing(dispatcher, DISPATCHER_READS) or _missing(layer.experts, EXPERTS_READS)
-               or stages.missing(layer))
+               or missing_stages(layer))
     if missing is not None:
         return missing
     if dispatcher.ep_size == 1:
@@ -81,3 +79,21 @@ def call_reason(layer) -> str | None:
     if hasattr(layer, "_inference_token_dispatcher") and InferenceMode.is_active():
         return "inference mode (Megatron's inference dispatcher)"
     return None
+
+
+# The stages the pieces take over (stages.py): the layer's (0.16+) or the dispatcher's (0.13 to 0.15).
+LAYER_STAGES = ("dispatch", "routed_experts_compute", "combine")
+DISPATCHER_STAGES = ("token_dispatch", "dispatch_postprocess", "combine_preprocess", "token_combine")
+
+
+def missing_stages(layer) -> str | None:
+    """Which of Megatron's MoE stages this layer's objects lack (None: the pieces have theirs)."""
+    if all(hasattr(layer, name) for name in LAYER_STAGES):
+        return None
+    dispatcher = layer.token_dispatcher
+    absent = [name for name in DISPATCHER_STAGES if not hasattr(dispatcher, name)]
+    if not absent:
+        return None
+    return (f"{type(dispatcher).__name__} has no {', '.join(absent)} and {type(layer).__name__} no "
+            f"{' / '.join(LAYER_STAGES)} (megatron-core 0.12's token_permutation does the dispatch in one call): "
+            "no stage for the pieces to take over")

@@ -10,7 +10,7 @@ releases (0.13 to 0.15) have no such layer methods: the dispatcher's ``token_dis
 ``dispatch_postprocess`` pass the rows on, ``SequentialMLP.forward`` runs the pieces,
 ``combine_preprocess`` / ``token_combine`` pass the combined rows on. A release with neither
 (0.12: the dispatcher's ``token_permutation`` / ``token_unpermutation`` do it all) is not wrapped:
-its MoE layers run Megatron's dispatcher, with missing()'s reason.
+its MoE layers run Megatron's dispatcher, with guards.missing_stages()'s reason.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import functools
 
 from coc_inject.moe import counts
 from coc_inject.moe.calls import current
+from coc_inject.moe.guards import DISPATCHER_STAGES, LAYER_STAGES
 
-LAYER_STAGES = ("dispatch", "routed_experts_compute", "combine")
 
 
 def has_layer_stages(layer_class) -> bool:
@@ -29,19 +29,6 @@ def has_layer_stages(layer_class) -> bool:
 
 def has_dispatcher_stages(dispatcher_class, experts_class) -> bool:
     return all(name in vars(dispatcher_class) for name in DISPATCHER_STAGES) and "forward" in vars(experts_class)
-
-
-def missing(layer) -> str | None:
-    """Which of Megatron's MoE stages this layer's objects lack (None: the pieces have theirs)."""
-    if all(hasattr(layer, name) for name in LAYER_STAGES):
-        return None
-    dispatcher = layer.token_dispatcher
-    absent = [name for name in DISPATCHER_STAGES if not hasattr(dispatcher, name)]
-    if not absent:
-        return None
-    return (f"{type(dispatcher).__name__} has no {', '.join(absent)} and {type(layer).__name__} no "
-            f"{' / '.join(LAYER_STAGES)} (megatron-core 0.12's token_permutation does the dispatch in one call): "
-            "no stage for the pieces to take over")
 
 
 def install_preprocess(patches, dispatcher_class) -> None:
@@ -115,7 +102,6 @@ def install_layer_stages(patches, layer_class):
 
 # megatron-core 0.13 to 0.15: the dispatcher's stages and SequentialMLP.forward
 
-DISPATCHER_STAGES = ("token_dispatch", "dispatch_postprocess", "combine_preprocess", "token_combine")
 
 
 def install_dispatcher_stages(patches, dispatcher_class, experts_class):
