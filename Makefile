@@ -18,6 +18,10 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 MEGATRON_NEWEST ?= 0.19.2
 MEGATRON_NEWEST_REQUIRES ?= numpy "packaging>=24.2" triton
+# Holistic Trace Analysis' trace loader, for the test that COC_TRACE's folders load in it (newest venv;
+# --no-deps: its declared requirements pull jupyterlab, which the loader never imports).
+HTA_PACKAGES ?= holistictraceanalysis==0.5.0 pandas==3.1.1 plotly==7.1.0 narwhals==2.29.0 pydot==4.0.1 \
+	pyparsing==3.3.3 psutil==7.2.2 pyyaml==6.0.4 python-dateutil==4.0.0 pytz==2026.6 tzdata==2026.6 six==1.17.0
 MEGATRON_MIDDLE ?= 0.16.1
 MEGATRON_OLDER ?= 0.13.1
 MEGATRON_OLDEST ?= 0.12.1
@@ -135,7 +139,7 @@ device-check:
 	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(DEVICE_PYTHON) -m coc_inject selftest --json $(DEVICE_OUT)/selftest-cpu.json
 
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its
-# requirements when $(2) skips them) + this package (a regular, non-editable install:
+# requirements when $(2) skips them; $(4): test-only packages installed without their requirements) + this package (a regular, non-editable install:
 # setuptools' editable finder would add ~20 ms to every interpreter start in the venv; built with
 # the venv's own setuptools, no isolated build environment made for it each time).
 # This package does not depend on megatron-core (only its [megatron] extra does), so installing
@@ -145,6 +149,7 @@ define make_venv
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(TORCH)
 	$(1)/bin/python -m pip install -q --disable-pip-version-check $(2)
 	$(if $(3),$(1)/bin/python -m pip install -q --disable-pip-version-check $(3))
+	$(if $(4),$(1)/bin/python -m pip install -q --disable-pip-version-check --no-deps $(4))
 	flock $(INSTALL_LOCK) sh -c '$(1)/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation ".[test,bench]" && rm -rf build coc_inject.egg-info'
 	touch $(1)/.installed
 endef
@@ -153,7 +158,7 @@ endef
 INSTALL_LOCK := $(VENV)/.install.lock
 
 $(VENV)/.installed: $(SOURCES)
-	$(call make_venv,$(VENV),--no-deps --ignore-requires-python megatron-core==$(MEGATRON_NEWEST),$(MEGATRON_NEWEST_REQUIRES))
+	$(call make_venv,$(VENV),--no-deps --ignore-requires-python megatron-core==$(MEGATRON_NEWEST),$(MEGATRON_NEWEST_REQUIRES),$(HTA_PACKAGES))
 
 # The older releases' venvs start as a hard-linked copy of $(VENV)'s packages (the same torch wheel:
 # linking takes seconds, installing it again ~25 s each) without megatron-core, this package and the
