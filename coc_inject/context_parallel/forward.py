@@ -43,8 +43,9 @@ def wrap_init(installation, cls, original_init):
             bound.get("attention_dropout"), cp_group,
             lambda degree: groups.ulysses_group(degree, megatron_config, parallel_state))
         attention.megatron_init(original_init, arguments, self)
-        softmax_coefficient = getattr(self.scale_mask_softmax, "scale", None) or 1.0
-        plan.scale = self.softmax_scale * softmax_coefficient  # Megatron scales twice with layer scaling
+        plan.scale = _softmax_scale(self)  # Megatron scales twice with layer scaling
+        if plan.scale is None:  # Megatron's own layer refuses CP > 1: nothing to step aside to
+            raise attention.ContextParallelError(f"context parallelism: {_lacks(self)}")
         self._coc_cp = plan
         if banner.implicit(config):  # the wing armed by the linears alone says itself here (banner.py)
             banner.say(config, megatron_config.context_parallel_size, once=True)
@@ -110,10 +111,32 @@ def _flash_plan(config, layer, megatron_config, attention_dropout):
         log.once(("flash-attn-unsupported", feature), logging.WARNING,
                  f"COC_FLASH_ATTN: Megatron's local attention is kept: {feature}")
         return None
+    scale = _softmax_scale(layer)
+    if scale is None:
+        log.once(("flash-attn-unsupported", "scale"), logging.WARNING,
+                 f"COC_FLASH_ATTN: Megatron's local attention is kept: {_lacks(layer)}")
+        return None
     plan = attention.plan_local(config)
-    softmax_coefficient = getattr(layer.scale_mask_softmax, "scale", None) or 1.0
-    plan.scale = layer.softmax_scale * softmax_coefficient
+    plan.scale = scale
     return plan
+
+
+# What the plan reads of Megatron's layer: a release whose layer lacks one (COC_ALLOW_UNTESTED_MEGATRON=1)
+# keeps Megatron's attention (CP = 1) or is refused naming it (CP > 1), never an AttributeError.
+LAYER_READS = ("softmax_scale", "scale_mask_softmax")
+
+
+def _softmax_scale(layer):
+    """The scale Megatron's attention applies (its softmax's coefficient too), or None where the layer lacks it."""
+    if not all(hasattr(layer, name) for name in LAYER_READS):
+        return None
+    return layer.softmax_scale * (getattr(layer.scale_mask_softmax, "scale", None) or 1.0)
+
+
+def _lacks(layer) -> str:
+    missing = [name for name in LAYER_READS if not hasattr(layer, name)]
+    return (f"{type(layer).__name__} has no attribute {missing[0]!r} (a megatron-core release coc-inject "
+            "does not know)")
 
 
 def _megatron_instead(installation, layer, reason: str, megatron_forward):

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from coc_inject.context_parallel import forward as cp_forward
 from coc_inject.linears import adapters, guards as linear_guards
 from coc_inject.moe import guards as moe_guards, stages
 
@@ -138,3 +139,21 @@ def test_the_moe_install_wraps_no_stage_a_release_lacks():
     experts = type("SequentialMLP", (), {"forward": lambda self, *a: a})
     assert not stages.has_layer_stages(type("MoELayer", (), {"forward": lambda self, x: x}))
     assert not stages.has_dispatcher_stages(dispatcher, experts)
+
+
+# -- context-parallel attention (COC_FLASH_ATTN's plan on a CP = 1 layer) --------------------------------
+
+@pytest.mark.parametrize("missing", [None, *cp_forward.LAYER_READS])
+def test_an_attention_layer_lacking_an_attribute_keeps_megatrons_attention_naming_it(missing, caplog):
+    from coc_inject.config import CocConfig
+
+    attributes = {"softmax_scale": 0.5, "scale_mask_softmax": SimpleNamespace(scale=None)}
+    attributes.pop(missing, None)
+    layer = type("DotProductAttention", (), attributes)()
+    with caplog.at_level("WARNING", logger="coc_inject"):
+        plan = cp_forward._flash_plan(CocConfig(flash_attn=True), layer, SimpleNamespace(), None)
+    if missing is None:
+        assert plan is not None and plan.scale == 0.5
+    else:
+        assert plan is None
+        assert f"has no attribute {missing!r}" in cp_forward._lacks(layer)
