@@ -26,6 +26,18 @@ def test_settings_page_is_the_reference_command_output():
         "sed -i '/^| variable |/,$d' docs/settings.md && python -m coc_inject reference >> docs/settings.md")
 
 
+def test_compatibility_page_is_the_allow_lists_matrix():
+    """#45: docs/compatibility.md's settings table is made from the allow-list's rows (it cannot drift)."""
+    from coc_inject.allowlist import matrix
+
+    page = (ROOT / "docs" / "compatibility.md").read_text(encoding="utf-8")
+    head = "| setting |"
+    assert page.count("\n" + head) == 1, "docs/compatibility.md: one generated block"
+    assert page[page.index("\n" + head) + 1:] == matrix.markdown(), (
+        "docs/compatibility.md is stale; regenerate it: sed -i '/^| setting |/,$d' docs/compatibility.md && "
+        "python -m coc_inject.allowlist.matrix >> docs/compatibility.md")
+
+
 def test_relative_links_resolve():
     missing = []
     for page in PAGES:
