@@ -38,6 +38,18 @@ def test_compatibility_page_is_the_allow_lists_matrix():
         "python -m coc_inject.allowlist.matrix >> docs/compatibility.md")
 
 
+def test_every_ratio_the_readme_quotes_is_in_the_results():
+    """#45: one source for each figure: every speed-up the README quotes (1.187×, a range's ends) is a
+    figure of benchmarks/RESULTS.md, with the same digits."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    quoted = {value for figure in re.findall(r"\d+\.\d+(?:–\d+\.\d+)?×", readme)
+              for value in figure.rstrip("×").split("–")}
+    assert quoted, "the README quotes no ratio: the check has nothing to hold"
+    missing = sorted(value for value in quoted if not re.search(rf"(?<![\d.]){re.escape(value)}[×x]", results))
+    assert not missing, f"README ratios that RESULTS.md does not have: {missing}"
+
+
 def test_relative_links_resolve():
     missing = []
     for page in PAGES:
