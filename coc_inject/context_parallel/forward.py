@@ -11,7 +11,7 @@ import functools
 import inspect
 import logging
 
-from coc_inject import job, log
+from coc_inject import job, log, mindspeed
 from coc_inject.context_parallel import attention, banner, groups
 from coc_inject.routes import MEGATRON_ATTENTION, AttentionRoute
 
@@ -27,6 +27,12 @@ def wrap_init(installation, cls, original_init):
         arguments = signature.bind(self, *args, **kwargs)
         bound = arguments.arguments
         megatron_config = bound["config"]
+        feature = mindspeed.class_feature(type(self), mindspeed.ATTENTION)
+        if feature is not None:  # MindSpeed's class in Megatron's place: its CP (or its kernel) is MindSpeed's
+            mindspeed.aside(mindspeed.ATTENTION, type(self).__name__, feature)
+            self._coc_cp = None
+            original_init(self, *args, **kwargs)
+            return
         # A subclass with a forward of its own would run that forward, not the CP one: it keeps
         # Megatron's __init__, whose assertion refuses CP > 1.
         if megatron_config.context_parallel_size == 1 or type(self).forward is not cls.__dict__["forward"] \

@@ -15,7 +15,7 @@ COC_CP_ALGO=auto tuner live there, shared with the linears' wing.
 
 from __future__ import annotations
 
-from coc_inject import job
+from coc_inject import job, mindspeed
 from coc_inject.context_parallel import banner, forward, groups
 
 
@@ -33,6 +33,10 @@ def uninstall() -> None:
 
 def _install(installation, attention_module=None, parallel_state=None) -> None:
     patches = installation.patches
+    if parallel_state is not None and _mindspeeds(parallel_state, "initialize_model_parallel"):
+        parallel_state = None  # MindSpeed's CP makes its groups (hybrid's Ulysses ones too)
+    if attention_module is not None and _mindspeeds(attention_module, "DotProductAttention"):
+        attention_module = None
     if parallel_state is not None:
         initialize, destroy = "initialize_model_parallel", "destroy_model_parallel"
         patches.patch(parallel_state, initialize, groups.making_configured(
@@ -42,6 +46,14 @@ def _install(installation, attention_module=None, parallel_state=None) -> None:
         cls = attention_module.DotProductAttention
         patches.patch(cls, "__init__", forward.wrap_init(installation, cls, patches.original(cls, "__init__")))
         patches.patch(cls, "forward", forward.wrap_forward(installation, patches.original(cls, "forward")))
+
+
+def _mindspeeds(owner, name: str) -> bool:
+    """Whether MindSpeed's context parallelism already replaced ``owner.name`` (said once)."""
+    feature = mindspeed.attribute_feature(owner, name, mindspeed.ATTENTION)
+    if feature is not None:
+        mindspeed.aside(mindspeed.ATTENTION, name, feature)
+    return feature is not None
 
 
 # -- the post-import hooks ----------------------------------------------------------------------
@@ -68,6 +80,8 @@ def on_attention_imported(module) -> None:
     installation = job.installation(config)
     installation.armed_coverage()
     _install(installation, attention_module=module)
+    if _mindspeeds(module, "DotProductAttention"):
+        return  # the line naming MindSpeed's feature is said instead of the banner
     from megatron.core import parallel_state
 
     if banner.implicit(config):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from coc_inject import log
+from coc_inject import log, mindspeed
 from coc_inject.pipeline.layout import effective_chunks
 from coc_inject.routes import Chunked, Fused, MegatronPath
 
@@ -45,13 +45,26 @@ class Linears:
             self.coverage.count(layer, path, input_, shape_of)
 
 
+_beside: dict = {}  # layer class -> MegatronPath naming MindSpeed's feature, or None
+
+
+def beside_mindspeed(cls) -> MegatronPath | None:
+    """Megatron's path for a layer whose class MindSpeed put in Megatron's place (its forward calls
+    Megatron's only where MindSpeed's own CoC / MC2 leaves a call to it), else None."""
+    if cls not in _beside:
+        feature = mindspeed.class_feature(cls, mindspeed.LINEARS)
+        _beside[cls] = None if feature is None else MegatronPath(
+            mindspeed.aside(mindspeed.LINEARS, cls.__name__, feature).split(": ", 1)[1], expected=True)
+    return _beside[cls]
+
+
 def wrap(original, linears: Linears, adapter):
     """The forward put on a linear class: guard, plan, run CoC's path or Megatron's, count."""
     shape_of = adapter.shape
 
     @functools.wraps(original)
     def forward(self, input_, *args, **kwargs):
-        path = adapter.guard(self, input_, args, kwargs)
+        path = beside_mindspeed(type(self)) or adapter.guard(self, input_, args, kwargs)
         if path is None:
             call = adapter.call(original, self, input_, args, kwargs)
             route = linears.router.plan(call)

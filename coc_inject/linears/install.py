@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from coc_inject import __version__, job, log
+from coc_inject import __version__, job, log, mindspeed
 from coc_inject.linears.forward import Linears, wrap
 
 LAYERS_MODULE = "megatron.core.tensor_parallel.layers"
@@ -45,6 +45,10 @@ def install(config=None, layers_module=None) -> bool:
     installation.engine = linears = Linears(config, installation)
     for name in PATCHED:
         cls = getattr(layers_module, name)
+        feature = mindspeed.class_feature(cls, mindspeed.LINEARS)
+        if feature is not None:  # MindSpeed's class in Megatron's place: its forward is MindSpeed's
+            mindspeed.aside(mindspeed.LINEARS, name, feature)
+            continue
         forward = wrap(installation.patches.original(cls, "forward"), linears, linears.adapters[name])
         installation.patches.patch(cls, "forward", forward)
         installation.patched_forwards[cls] = forward
@@ -64,7 +68,7 @@ def banner(config, version: str | None) -> str:
     chunks = "fused" if config.fused else "N=auto" if config.parallel_num == AUTO else f"N={config.parallel_num}"
     return (f"CoC installed: rank {log.global_rank()}/{log.world_size()}, mode {config.mode}, {chunks}, megatron-core "
             f"{version or 'of unknown version'}, coc-inject {__version__}, patched "
-            + ", ".join(f"{name}.forward" for name in PATCHED))
+            + ", ".join(f"{name}.forward" for name in PATCHED) + mindspeed.note(mindspeed.LINEARS))
 
 
 def on_layers_imported(module) -> None:

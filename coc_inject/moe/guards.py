@@ -8,6 +8,7 @@ The layer's config is checked first against the MoE pieces' allow-list (coc_inje
 
 from __future__ import annotations
 
+from coc_inject import mindspeed
 from coc_inject.allowlist import check
 
 # What status names as running on Megatron's path (the reasons below, briefly).
@@ -37,6 +38,11 @@ EXPERTS_READS = ("config", "local_experts")
 def layer_reason(layer) -> str | None:
     """Why this MoE layer cannot run as pieces (None: it can). Decided once per layer: these are
     the layer's construction, not its input."""
+    for part, name in ((layer, "MoELayer"), (getattr(layer, "token_dispatcher", None), "token dispatcher"),
+                       (getattr(layer, "experts", None), "experts")):
+        feature = mindspeed.class_feature(type(part), mindspeed.MOE)
+        if feature is not None:  # MindSpeed's class in Megatron's place: its dispatch is MindSpeed's
+            return mindspeed.aside(mindspeed.MOE, f"{type(part).__name__} ({name})", feature).split(": ", 1)[1]
     missing = _missing(layer, LAYER_READS)
     if missing is not None:
         return missing

@@ -9,7 +9,7 @@ dispatcher's two all-to-alls and the experts' loop move into one call in the exp
 
 from __future__ import annotations
 
-from coc_inject import job
+from coc_inject import job, mindspeed
 from coc_inject.moe import calls, stages
 
 
@@ -21,8 +21,14 @@ def install(config, moe_layer_module, chunks: int | None = None) -> None:
 
 
 def banner(config) -> str:
+    if _left_to_mindspeed:
+        return "MoE overlap not installed" + mindspeed.note(mindspeed.MOE)
     pieces = "pieces or Megatron's per layer shape (auto)" if config.moe_overlap == "auto" else "pieces"
-    return f"MoE overlap installed on MoELayer: alltoall dispatch and combine in {pieces} (details: coc-inject status)"
+    return (f"MoE overlap installed on MoELayer: alltoall dispatch and combine in {pieces} (details: coc-inject "
+            f"status){mindspeed.note(mindspeed.MOE)}")
+
+
+_left_to_mindspeed: list = []  # what MindSpeed had replaced at the last install (the whole wing stepped aside)
 
 
 def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
@@ -30,6 +36,14 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
 
     patches = installation.patches
     dispatcher, layer = token_dispatcher.MoEAlltoAllTokenDispatcher, moe_layer_module.MoELayer
+    _left_to_mindspeed[:] = [(what, feature) for what, feature in (
+        ("MoELayer", mindspeed.attribute_feature(moe_layer_module, "MoELayer", mindspeed.MOE)),
+        ("MoEAlltoAllTokenDispatcher.preprocess", mindspeed.attribute_feature(dispatcher, "preprocess", mindspeed.MOE)),
+    ) if feature is not None]
+    for what, feature in _left_to_mindspeed:  # MindSpeed's layer or dispatch in Megatron's place: nothing patched
+        mindspeed.aside(mindspeed.MOE, what, feature)
+    if _left_to_mindspeed:
+        return
     stages.install_preprocess(patches, dispatcher)
     if stages.has_layer_stages(layer):
         megatron_middle = stages.install_layer_stages(patches, layer)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib
 
-from coc_inject import job
+from coc_inject import job, mindspeed
 from coc_inject.config import AUTO
 from coc_inject.multi_copy import autograd_check, cuts, forward, moe, recompute
 
@@ -38,6 +38,8 @@ def install(config, transformer_block_module) -> None:
 
 def _install(installation, transformer_block_module) -> None:
     patches = installation.patches
+    if _left_to_mindspeed(transformer_block_module):
+        return
     module_name, name = cuts.GATHER_MAPPING
     mappings = importlib.import_module(module_name)
     if hasattr(mappings, name):
@@ -56,7 +58,23 @@ def _install(installation, transformer_block_module) -> None:
     patches.patch(cls, "forward", forward.wrap(patches.original(cls, "forward"), multi_copy))
 
 
+def _left_to_mindspeed(transformer_block_module) -> bool:
+    """Whether MindSpeed replaced something the copies wrap (their cut point, their recompute, the
+    block's forward): then no block runs as copies (a copy's cut or recompute would go unseen), said once."""
+    wrapped = (cuts.GATHER_MAPPING, recompute.CHECKPOINT)
+    found = [(name, mindspeed.attribute_feature(importlib.import_module(module_name), name, mindspeed.MULTI_COPY))
+             for module_name, name in wrapped]
+    found.append(("TransformerBlock.forward", mindspeed.attribute_feature(
+        transformer_block_module.TransformerBlock, "forward", mindspeed.MULTI_COPY)))
+    for name, feature in found:
+        if feature is not None:
+            mindspeed.aside(mindspeed.MULTI_COPY, name, feature)
+    return any(feature is not None for _, feature in found)
+
+
 def banner(config) -> str:
+    if mindspeed.said.get(mindspeed.MULTI_COPY):
+        return "multi-copy not installed" + mindspeed.note(mindspeed.MULTI_COPY)
     copies = "auto (copies or not per block shape)" if config.multi_copy == AUTO else f"{config.multi_copy} copies"
     unsupported = autograd_check.reason()  # checked at install: the cached answer
     aside = "" if unsupported is None else f"; every block runs Megatron's: {unsupported}"
