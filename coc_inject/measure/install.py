@@ -18,14 +18,33 @@ def armed(config) -> bool:
     return not config.disabled and (config.measure is not None or config.trace_dir is not None)
 
 
-def install(config) -> Exposure:
-    """The meter for ``config`` in the job's installation (tests, bench: the hook does it in a job)."""
+def install(config) -> Exposure | None:
+    """The meter for ``config`` in the job's installation (tests, bench: the hook does it in a job); None
+    where this torch cannot run it (:func:`unsupported`)."""
     return _install(job.installation(config), None)
 
 
-def _install(installation, module=None) -> Exposure:
+def unsupported() -> str | None:
+    """Why this torch cannot run the meter, or None: it names a backward's layer and phase by the running node."""
+    import torch
+
+    if not hasattr(torch._C, "_current_autograd_node"):
+        return f"torch {torch.__version__} has no torch._C._current_autograd_node (a backward's collectives unplaced)"
+    from torch.nn.modules import module
+
+    for name in ("register_module_forward_pre_hook", "register_module_forward_hook"):
+        if not hasattr(module, name):
+            return f"torch {torch.__version__} has no torch.nn.modules.module.{name} (collectives' layers unknown)"
+    return None
+
+
+def _install(installation, module=None) -> Exposure | None:
     if getattr(installation, "exposure", None) is not None:
         return installation.exposure
+    why = unsupported()
+    if why is not None:  # the meter is off; the wings run as they would
+        log.once(("COC_MEASURE", "torch"), logging.WARNING, f"coc-inject: not measuring: {why}")
+        return None
     exposure = Exposure(installation.config, log.global_rank())
     if installation.config.trace_dir is not None:
         from coc_inject.measure import trace
@@ -71,6 +90,9 @@ def _patch_coalescing(exposure, patches) -> None:
 
 
 def banner(config) -> str:
+    why = unsupported()
+    if why is not None:
+        return f"coc-inject: not measuring exposed communication: {why}"
     what = []
     if config.measure is not None:
         what.append(f"steps {_steps(config.measure)}")

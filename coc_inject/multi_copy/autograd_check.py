@@ -28,6 +28,30 @@ EXPECTED = [(0, "layer 1"), (1, "layer 1"), (0, "cut 2"), (0, "layer 0"), (1, "c
             (0, "cut 1"), (0, "input"), (1, "cut 1"), (1, "input")]
 
 
+HOOKS_GETTER = "_top_saved_tensors_default_hooks"  # torch._C._autograd's; torch 2.8+ by our reading of its history
+
+
+def saved_hooks_reason() -> str | None:
+    """Why this call cannot run as copies for want of the saved-tensor hooks getter, or None: without it
+    (older torch) a copy's thread cannot take on the caller's hooks (activation offloading), so the copies
+    run only where none is active."""
+    if hasattr(torch._C._autograd, HOOKS_GETTER) or not _hooks_active():
+        return None
+    return (f"torch {torch.__version__} has no torch._C._autograd.{HOOKS_GETTER}: the copies cannot carry the "
+            f"caller's saved-tensor hooks (activation offloading) into their threads")
+
+
+def _hooks_active() -> bool:
+    """A saved tensor already packed by default hooks refuses a second pair (torch's own check)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.ones(1, requires_grad=True)
+        try:
+            (x * x).grad_fn._raw_saved_self.register_hooks(lambda t: t, lambda t: t)
+        except RuntimeError:
+            return True
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def reason() -> str | None:
     """Why the copies cannot run their backward on this torch, or None (checked at the first call)."""

@@ -13,7 +13,7 @@ import weakref
 
 from coc_inject import job, log
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import auto, block as copies_block, moe as copies_moe, scheduler, splits
+from coc_inject.multi_copy import auto, autograd_check, block as copies_block, moe as copies_moe, scheduler, splits
 from coc_inject.routes import CopiesRoute
 
 AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
@@ -35,7 +35,8 @@ class MultiCopy:
     def split(self, block, original, args, kwargs) -> tuple:
         """``(Split, forward's arguments by name)`` of a block call that runs as copies, else
         ``(why not, None)``: the block and the call (splits.py), then COC_MULTI_COPY=auto's trials (auto.py)."""
-        reason = self.unsupported or splits.block_reason(block, self.copies) or copies_moe.block_reason(block)
+        reason = (self.unsupported or autograd_check.saved_hooks_reason() or splits.block_reason(block, self.copies)
+                  or copies_moe.block_reason(block))
         if reason is not None:
             return reason, None
         arguments = splits.bind(original, block, args, kwargs)

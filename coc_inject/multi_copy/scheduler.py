@@ -279,7 +279,8 @@ class ThreadContext:
         from coc_inject.rng_state import accelerators
 
         self.grad = torch.is_grad_enabled()
-        self.hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # older torch: none to read
+        self.hooks = top(False) if top is not None else None  # (forward.py refuses a call under hooks there)
         in_use = accelerators()
         self.autocast = {}
         for device in ("cpu", "cuda", *(name for name, _ in in_use if name != "cuda")):

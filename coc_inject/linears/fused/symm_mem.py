@@ -1,7 +1,7 @@
 """CUDA symmetric-memory fused ops (torch >= 2.5): ``torch.ops.symm_mem.fused_all_gather_matmul``
 and ``fused_matmul_reduce_scatter``.
 
-Contract (docs/fused-backends.md §3): registered by ``import torch.distributed._symmetric_memory``
+Contract (docs/dev/fused-backends.md §3): registered by ``import torch.distributed._symmetric_memory``
 (which also imports on CPU-only builds, so usability is decided by whether the op has a kernel
 for the tensors' device: CUDA only in torch); ``A [m, k]``, ``B [k, n]`` (our ``weight.t()``),
 gather/scatter dim 0 (never -1), ``group.group_name``; ``fused_all_gather_matmul(A, [B], 0, name,
@@ -21,6 +21,8 @@ import torch
 
 OPS = {"matmul_reduce_scatter": "fused_matmul_reduce_scatter", "all_gather_matmul": "fused_all_gather_matmul"}
 DISPATCH_KEYS = {"cuda": "CUDA", "cpu": "CPU"}
+ARGUMENTS = {"fused_all_gather_matmul": ("A", "Bs", "gather_dim", "group_name", "return_A"),  # return_A: torch 2.6+
+             "fused_matmul_reduce_scatter": ("A", "B", "reduce_op", "scatter_dim", "group_name")}
 
 
 class SymmMemBackend:
@@ -43,7 +45,20 @@ class SymmMemBackend:
 
     @staticmethod
     def _has_kernel(op_name: str, dispatch_key: str) -> bool:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(f"symm_mem::{op_name}", dispatch_key)
+        try:
+            return torch._C._dispatch_has_kernel_for_dispatch_key(f"symm_mem::{op_name}", dispatch_key)
+        except RuntimeError:  # a torch whose symm_mem registers no such op
+            return False
+
+    @staticmethod
+    def _schema_reason(op_name: str) -> str | None:
+        """Why this torch's op does not take the arguments :meth:`run` passes (torch 2.5 lacks ``return_A``)."""
+        try:
+            names = {argument.name for argument in getattr(torch.ops.symm_mem, op_name).default._schema.arguments}
+        except Exception as error:  # noqa: BLE001 - no such op or overload: step aside, never fail
+            return f"symm_mem::{op_name} unreadable on torch {torch.__version__}: {type(error).__name__}: {error}"
+        missing = [name for name in ARGUMENTS[op_name] if name not in names]
+        return f"symm_mem::{op_name} of torch {torch.__version__} has no {', '.join(missing)} argument" if missing else None
 
     def unsupported(self, op: str, x: torch.Tensor, weight: torch.Tensor, group) -> str | None:
         reason = self.unavailable()
@@ -54,6 +69,9 @@ class SymmMemBackend:
         key = DISPATCH_KEYS.get(x.device.type)
         if key is None or not self._has_kernel(OPS[op], key):
             return f"symm_mem::{OPS[op]} has no kernel for {x.device.type} tensors (CUDA only)"
+        schema = self._schema_reason(OPS[op])
+        if schema:
+            return schema
         if weight.dtype != x.dtype:
             return f"dtypes {x.dtype}/{weight.dtype} differ"
         if op == "matmul_reduce_scatter" and x.shape[0] % group.size():
