@@ -150,7 +150,7 @@ SETTINGS = (
             "deterministic.", agreed=WHEN_SET,
             # Read when the first communicator is built, so set before any kernel: ATB's LCCL (deterministic
             # tiling of its all-reduce) and HCCL (deterministic reductions; whether that covers the MC2 ops
-            # is unconfirmed, docs/fused-backends.md §4).
+            # is unconfirmed, docs/dev/fused-backends.md §4).
             exports=(("LCCL_DETERMINISTIC", "1"), ("HCCL_DETERMINISTIC", "true"))),
     Setting("COC_ALLOW_UNTESTED_MEGATRON", "allow_untested_megatron", SWITCH, False,
             "Patch a megatron-core release outside the tested range, or one whose release cannot be determined, "

@@ -1,7 +1,7 @@
 """FAKE CPU kernels for ``symm_mem::fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``.
 
 torch only has CUDA kernels for these ops. ``register()`` adds CPU kernels (removed again by
-``unregister()``) that check the call contract of docs/fused-backends.md §3 — 2-D A, 2-D B [k, n]
+``unregister()``) that check the call contract of docs/dev/fused-backends.md §3 — 2-D A, 2-D B [k, n]
 matching A, gather/scatter dim 0, ``reduce_op`` "sum", a live ``group_name``, m divisible by the
 group size for reduce-scatter, equal dtypes — and compute the true result with gloo collectives
 on that group. NOT a symmetric-memory implementation: no P2P buffers, no CUDA.

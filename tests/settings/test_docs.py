@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/dev/ too
 GENERATED_FROM = "| variable |"  # docs/settings.md: from this line to the end, the command's output
 
 
@@ -88,7 +88,7 @@ def test_repository_paths_named_exist():
     # Back-quoted paths under the project's own top directories (README and docs/).
     tops = ("coc_inject/", "tests/", "examples/", "benchmarks/", "env/", "sitecustomize/", "docs/", ".ci/")
     elsewhere = {"coc_inject/_site",  # sitecustomize/ as the installed package names it (pyproject.toml)
-                 "docs/features/communication-over-computation.md"}  # MindSpeed's, cited by fused-backends.md
+                 "docs/features/communication-over-computation.md"}  # MindSpeed's, cited by dev/fused-backends.md
     missing = []
     for page in PAGES:
         for path in re.findall(r"`([A-Za-z_./-]+)`", page.read_text(encoding="utf-8")):

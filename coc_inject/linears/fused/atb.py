@@ -1,6 +1,6 @@
 """Ascend ATB "lcoc" LinearParallel through the ``torch_atb`` binding (CANN-NNAL).
 
-Contract (docs/fused-backends.md §1): ``LinearParallelParam`` with ``backend="lcoc"``, every
+Contract (docs/dev/fused-backends.md §1): ``LinearParallelParam`` with ``backend="lcoc"``, every
 field set explicitly (``trans_weight`` too: MindSpeed's shape-based guess is wrong when k == n);
 ``Operation(param).forward([x, weight])`` with 2-D ``x [m, k]`` and ``weight [n, k]`` when
 ``trans_weight`` else ``[k, n]``; fp16/bf16 only; ``rank_size`` a power of two; the

@@ -1,7 +1,7 @@
 """torch_npu MC2 fused ops (Ascend): npu_mm_all_reduce_base, npu_mm_reduce_scatter_base,
 npu_all_gather_base_mm.
 
-Contract (docs/fused-backends.md §2): ``x1 [m, k]``, ``x2 [k, n]`` (our ``weight.t()``; a
+Contract (docs/dev/fused-backends.md §2): ``x1 [m, k]``, ``x2 [k, n]`` (our ``weight.t()``; a
 transposed view is accepted), fp16/bf16 for both; k in [256, 65535); world size 2, 4 or 8; the
 communicator is the group's HCCL name, ``group._get_backend(npu).get_hccl_comm_name(global
 rank)``; everything after ``hcom`` (all-reduce) or ``world_size`` is keyword-only. We pass no

@@ -1,7 +1,7 @@
 """FAKE ``torch_atb`` (Ascend ATB Python binding) for CPU tests. NOT the real library.
 
 It checks the call contract of ``LinearParallelParam`` / ``Operation`` for the "lcoc" fused
-kernels as documented in docs/fused-backends.md §1 and §5.1 — every check below mirrors a
+kernels as documented in docs/dev/fused-backends.md §1 and §5.1 — every check below mirrors a
 constraint of the real binding — and computes the true result with torch.distributed (gloo)
 collectives on the tensor-parallel group that ``rank`` / ``rank_size`` / ``comm_domain`` name.
 What it cannot tell: the real kernel's performance, its numerics beyond fp32-accumulate-and-round,

@@ -1,6 +1,6 @@
 """FAKE ``torch_npu`` exposing the three MC2 ops and npu_fusion_attention(_grad), for CPU tests. NOT the real library.
 
-Checks the call contract of docs/fused-backends.md §2 / §5.2 — keyword-only arguments, the
+Checks the call contract of docs/dev/fused-backends.md §2 / §5.2 — keyword-only arguments, the
 HCCL communicator name of the tensor-parallel group obtained with the caller's *global* rank,
 world size 2/4/8, 2-D ``x1 [m, k]`` and ``x2 [k, n]``, fp16/bf16, k in [256, 65535) — and
 computes the true result in fp32 with gloo collectives on that group. To name communicators,
