@@ -102,9 +102,14 @@ def _named(obj) -> str:
 
 def feature_of(obj, wing: str) -> str:
     """MindSpeed's feature that put ``obj`` there (the table's, else MindSpeed's object by name)."""
-    name = _named(obj)
+    name, module = _named(obj), defined_in(obj)
     for row in REPLACEMENTS:
-        if row.wing == wing and (name == row.mindspeed or name.startswith(row.mindspeed + ".")):
+        if row.wing != wing:
+            continue
+        if name == row.mindspeed or name.startswith(row.mindspeed + "."):
+            return f"MindSpeed's {row.feature}"
+        # a wrapper (functools.wraps) carries Megatron's name: known by the module that defined it
+        if not isinstance(obj, type) and module in (row.mindspeed, row.mindspeed.rsplit(".", 1)[0]):
             return f"MindSpeed's {row.feature}"
     return f"MindSpeed's {name}"
 
