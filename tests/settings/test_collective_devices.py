@@ -15,6 +15,8 @@ FACTORIES = {"tensor", "as_tensor", "zeros", "empty", "ones", "full", "arange", 
 
 # (module under coc_inject/, enclosing function or "*", why its tensors are built on the CPU)
 CPU_BY_DESIGN = [
+    ("multi_copy/autograd_check.py", "_hooks_active",
+     "a one-element probe of whether saved-tensor hooks are active (older torch only): no collective runs on it"),
     ("selftest/meter.py", "_schedule", "the tensor a sleep-backed fake collective is given: no collective runs on it"),
     ("testbed/attention.py", "whole_inputs",
      "the whole sequence from a seeded CPU generator, the same on every rank; callers move their share"),
