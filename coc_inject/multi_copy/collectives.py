@@ -140,7 +140,8 @@ def wrap(original):
     async_index = parameters.index("async_op") if "async_op" in parameters else None
     name = getattr(inspect.unwrap(original), "__name__", "")
     kind = KINDS.get(name)
-    served = name in ("all_gather_into_tensor", "_all_gather_base")  # one output tensor: may be gathered ahead
+    # one output tensor: may be gathered ahead (the chunked linears' all_gather_single included)
+    served = name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single")
     output_name = parameters[0] if parameters else None
 
     def collective(*args, **kwargs):

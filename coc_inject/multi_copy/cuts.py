@@ -30,7 +30,8 @@ REDUCE = "reduce"
 GATHER = "gather"
 # The torch.distributed collectives of each kind (what a deferred wait may be, after a cut of that kind).
 KINDS = {"all_reduce": REDUCE, "reduce_scatter": REDUCE, "reduce_scatter_tensor": REDUCE, "_reduce_scatter_base": REDUCE,
-         "all_gather": GATHER, "all_gather_into_tensor": GATHER, "_all_gather_base": GATHER}
+         "reduce_scatter_single": REDUCE, "all_gather": GATHER, "all_gather_into_tensor": GATHER,
+         "_all_gather_base": GATHER, "all_gather_single": GATHER}  # *_single: the chunked linears' forms
 # Megatron's row-parallel reduce-scatter mapping, by the module alias its RowParallelLinear calls.
 GATHER_MAPPING = ("megatron.core.tensor_parallel.layers", "reduce_scatter_to_sequence_parallel_region")
 _INPUT_NAMES = ("input_", "input", "x", "hidden_states")

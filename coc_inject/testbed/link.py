@@ -143,7 +143,9 @@ def no_collectives(only=None):
             return _Done() if async_op else None
         return call
 
-    names = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
-             "_reduce_scatter_base", "all_gather", "all_to_all_single", *dist_interception.SINGLE_TENSOR)
+    # every collective of the one list (dist_interception) but these, which run for real (the list forms,
+    # broadcasts and point-to-point: none of Megatron's layers' floating-point traffic)
+    kept = ("broadcast", "batch_isend_irecv", "all_to_all", "reduce_scatter")
+    names = tuple(name for name in dist_interception.EVERY_COLLECTIVE if name not in kept)
     return dist_interception.replaced(
         lambda name, original: no_op(original, name != "all_reduce") if only is None or name in only else None, names)

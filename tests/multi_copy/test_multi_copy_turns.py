@@ -337,3 +337,25 @@ def test_torch_distributed_is_wrapped_only_while_copies_run():
         assert (dist.all_reduce, dist.batch_isend_irecv, mappings.dist_all_gather_func) == originals
     finally:
         job.uninstall()
+
+
+def test_every_collective_function_of_torch_is_replaced_or_said_why_not():
+    """#44 item 1: one list of collectives for multi-copy's interception, the meter and the compute-only
+    twin (dist_interception.EVERY_COLLECTIVE); every collective function this torch offers is on it or on
+    NOT_REPLACED with the reason -- the chunked linears' all_gather_single / reduce_scatter_single were
+    missing from the copies' interception, so their waits inside a copy kept the turn."""
+    import re
+
+    import torch.distributed as dist
+
+    from coc_inject import dist_interception
+    from coc_inject.multi_copy import cuts
+
+    offered = {name for name in dir(dist) if callable(getattr(dist, name)) and not name[0].isupper()
+               and re.search(r"all_|reduce|gather|scatter|broadcast|send|recv|barrier|to_all", name)}
+    listed = set(dist_interception.EVERY_COLLECTIVE) | set(dist_interception.NOT_REPLACED)
+    assert offered <= listed, f"collectives of torch.distributed on neither list: {sorted(offered - listed)}"
+    assert not set(dist_interception.EVERY_COLLECTIVE) & set(dist_interception.NOT_REPLACED)
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(dist, name):  # the copies intercept the forms the chunked pipeline issues, by kind
+            assert name in dist_interception.EVERY_COLLECTIVE and name in cuts.KINDS
