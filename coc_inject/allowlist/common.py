@@ -69,4 +69,28 @@ MLA_SHAPE = supported(
     "rotary_percent", "rotary_scaling_factor", "max_position_embeddings", "original_max_position_embeddings",
     "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "mla_down_proj_fusion")
 
+# The MoE layer's own settings (routing, dispatchers, experts): no dense layer, linear or attention reads
+# them (linears.py and context_parallel.py: not read; moe.py and multi_copy.py classify each).
+MOE_LAYER_SETTINGS = (
+    "num_moe_experts", "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "moe_layer_freq",
+    "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_router_topk", "moe_router_topk_limited_devices",
+    "moe_router_num_groups", "moe_router_group_topk", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
+    "moe_router_score_function", "moe_router_dtype", "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate", "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "moe_aux_loss_coeff",
+    "moe_z_loss_coeff", "moe_input_jitter_eps", "moe_token_dropping", "moe_token_dispatcher_type",
+    "moe_enable_deepep", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+    "moe_permute_fusion", "moe_apply_probs_on_input", "moe_deepep_num_sms", "moe_router_padding_for_fp8",
+    "moe_router_force_load_balancing", "overlap_moe_expert_parallel_comm", "moe_router_fusion",
+    "moe_shared_expert_gate", "moe_enable_routing_replay", "moe_router_padding_for_quantization",
+    "moe_flex_dispatcher_backend", "moe_latent_size", "moe_hybridep_num_sms",
+    "ep_overlap_early_attn_memory_release", "overlap_dispatch_backward_with_experts_wgrad",
+    "high_priority_a2a_comm_stream", "use_grouped_gemm_for_shared_expert", "moe_shared_expert_glu_interleave_size",
+    "moe_router_quantile_balancing_ema", "moe_router_force_biased", "use_grouped_gemm_for_dense_mlp",
+    "moe_single_grouped_weight", "moe_single_grouped_bias", "moe_permute_fusion_into_hybridep",
+    "moe_hybridep_pad_uneven_dispatch_inputs", "moe_flex_dispatcher_num_sms", "moe_hybridep_num_blocks_permute",
+    "moe_hybridep_num_blocks_unpermute", "moe_hybridep_num_sms_preprocessing", "moe_ncclep_static_shape",
+    "moe_ncclep_zero_copy", "moe_mlp_glu_interleave_size", "moe_expert_rank_capacity_factor", "moe_paged_stash",
+    "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
+    "moe_paged_stash_buffer_size_factor_cpu",)
+
 ROWS = table(PIPELINE, INITIALISATION, LOOP, OUTSIDE, INFERENCE, MAMBA, SHAPE, TOKENWISE, MLA_SHAPE)

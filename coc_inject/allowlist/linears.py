@@ -9,6 +9,7 @@ offloading context, arguments). Everything outside the linear call is irrelevant
 
 from __future__ import annotations
 
+from coc_inject.allowlist.common import MOE_LAYER_SETTINGS
 from coc_inject.allowlist.rows import irrelevant, refused, supported, table
 
 PARALLEL = supported(
@@ -106,27 +107,9 @@ NOT_READ = irrelevant(
     "distribute_saved_activations", "recompute_modules", "num_microbatches_with_partial_activation_checkpoints",
     "use_te_rng_tracker", "heterogeneous_block_specs", "mlp_chunks_for_training", "calculate_per_token_loss",
     "deterministic_mode", "batch_invariant_mode", "enable_autocast", "autocast_dtype", "test_mode",
-    # MoE: routing, dispatchers, experts (expert layers take Megatron's path per call)
-    "num_moe_experts", "moe_shared_expert_intermediate_size", "moe_shared_expert_overlap", "moe_layer_freq",
-    "moe_ffn_hidden_size", "moe_router_load_balancing_type", "moe_router_topk", "moe_router_topk_limited_devices",
-    "moe_router_num_groups", "moe_router_group_topk", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-    "moe_router_score_function", "moe_router_dtype", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
-    "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-    "moe_input_jitter_eps", "moe_token_dropping", "moe_token_dispatcher_type", "moe_enable_deepep",
-    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
-    "moe_layer_recompute", "moe_permute_fusion", "moe_apply_probs_on_input", "moe_deepep_num_sms",
-    "moe_router_padding_for_fp8", "moe_router_force_load_balancing", "overlap_moe_expert_parallel_comm",
-    "moe_router_fusion", "moe_shared_expert_gate", "moe_enable_routing_replay",
-    "moe_router_padding_for_quantization", "moe_flex_dispatcher_backend", "moe_latent_size",
-    "moe_hybridep_num_sms", "ep_overlap_early_attn_memory_release", "overlap_dispatch_backward_with_experts_wgrad",
-    "high_priority_a2a_comm_stream", "use_grouped_gemm_for_shared_expert", "moe_shared_expert_glu_interleave_size",
-    "moe_router_quantile_balancing_ema", "moe_router_force_biased", "use_grouped_gemm_for_dense_mlp",
-    "moe_single_grouped_weight", "moe_single_grouped_bias", "moe_permute_fusion_into_hybridep",
-    "moe_hybridep_pad_uneven_dispatch_inputs", "moe_flex_dispatcher_num_sms", "moe_hybridep_num_blocks_permute",
-    "moe_hybridep_num_blocks_unpermute", "moe_hybridep_num_sms_preprocessing", "moe_ncclep_static_shape",
-    "moe_ncclep_zero_copy", "moe_mlp_glu_interleave_size", "moe_expert_rank_capacity_factor", "moe_paged_stash",
-    "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda", "moe_paged_stash_buffer_size_factor_cpu",
-    "disable_bf16_reduced_precision_matmul")
+    "moe_layer_recompute",
+    "disable_bf16_reduced_precision_matmul",
+    *MOE_LAYER_SETTINGS)
 
 ROWS = table(PARALLEL, GRADIENTS, IMPL, OFFLOADING, FINE_GRAINED_OFFLOADING, SHARDING, DEFERRED, DEFERRAL_LIMIT, QUANTISED, QUANTISED_DETAILS,
              CUDA_GRAPHS, CUDA_GRAPH_IMPL, CUDA_GRAPH_DETAILS, TE_ONLY, NOT_READ)
