@@ -217,10 +217,8 @@ class Exposure:
         """COC_TRACE_STEPS past the job's last step: no trace and, until now, no word."""
         if self.config.trace_dir is None or self.traced or self.trace_warnings:
             return
-        first, last = self.config.trace_steps
-        if self.step - 1 < first:  # self.step: the step in progress at exit, never ended
-            shown = f"{first}-" if last is None else str(first) if first == last else f"{first}-{last}"
-            line = (f"COC_TRACE_STEPS={shown}: the job ended after step {self.step - 1}, before "
+        if self.step - 1 < self.config.trace_steps[0]:  # self.step: the step in progress at exit, never ended
+            line = (f"COC_TRACE_STEPS={records.step_range(self.config.trace_steps)}: the job ended after step {self.step - 1}, before "
                     f"the first traced step; no trace was written into {self.config.trace_dir}")
             self.trace_warnings.append(line)
             if log.global_rank() == 0 or log.is_debug():

@@ -10,7 +10,7 @@ import atexit
 import logging
 
 from coc_inject import dist_interception, job, log
-from coc_inject.measure import metered
+from coc_inject.measure import metered, records
 from coc_inject.measure.exposure import Exposure
 
 
@@ -95,15 +95,10 @@ def banner(config) -> str:
         return f"coc-inject: not measuring exposed communication: {why}"
     what = []
     if config.measure is not None:
-        what.append(f"steps {_steps(config.measure)}")
+        what.append(f"steps {records.step_range(config.measure)}")
     if config.trace_dir is not None:
-        what.append(f"trace of steps {_steps(config.trace_steps)} into {config.trace_dir}")
+        what.append(f"trace of steps {records.step_range(config.trace_steps)} into {config.trace_dir}")
     return "coc-inject: measuring exposed communication per wing (" + "; ".join(what) + ")"
-
-
-def _steps(steps) -> str:
-    first, last = steps
-    return f"{first}-" if last is None else str(first) if first == last else f"{first}-{last}"
 
 
 on_layers_imported = job.wing_hook(armed, _install, banner)

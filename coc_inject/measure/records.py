@@ -135,3 +135,9 @@ def step_runs(steps: list) -> str:
         else:
             runs.append([step, step])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def step_range(steps: tuple) -> str:
+    """A ``(first, last)`` range as the settings write it: "2-5", "3", "2-" (no last)."""
+    first, last = steps
+    return f"{first}-" if last is None else str(first) if first == last else f"{first}-{last}"
