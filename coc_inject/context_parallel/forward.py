@@ -88,7 +88,7 @@ def wrap_forward(installation, original_forward):
                 raise
             return _megatron_instead(installation, self, str(exc), megatron_forward)
         if not plan.local:
-            _agree(config, plan, query.device)
+            _agree(config, plan)
         kernel = attention.kernel_for(plan, query, _layer_name(self)).kernel
         variant = _auto_choice(installation, self, plan, query, key, value, causal, kernel) if plan.auto \
             else plan.variants[0]
@@ -161,8 +161,8 @@ def _auto_choice(installation, layer, plan, query, key, value, causal, kernel):
                        layer.config.tensor_model_parallel_size, kernel)
 
 
-def _agree(config, plan, device) -> None:
+def _agree(config, plan) -> None:
     """Every rank of the CP group runs the same settings (the first call on each group checks)."""
     from coc_inject.pipeline import agreement
 
-    agreement.ensure_same_config(plan.cp_group, config, device, f"COC_CP_ALGO -> {plan.describe()}, ")
+    agreement.ensure_same_config(plan.cp_group, config, f"COC_CP_ALGO -> {plan.describe()}, ")

@@ -38,7 +38,7 @@ class LinearRouter:
             return MegatronPath(f"COC_CUSTOMIZED sets 1 chunk (off) for shape [{m}, {k}, {n}]", expected=True)
         if chunks == AUTO and not copy_context.linears_chunked():
             return COPIES_CHOSE_MEGATRON_PATH
-        agreement.ensure_same_config(call.group, self.config, call.coc_input.device)
+        agreement.ensure_same_config(call.group, self.config)
         if chunks == -1:
             return self._fused(call)
         return self._tuned(call) if chunks == AUTO else Chunked(chunks)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 
-import torch
 import torch.distributed as dist
 
 AGREEMENT_TIMEOUT = datetime.timedelta(seconds=60)
@@ -32,12 +31,11 @@ class ConfigMismatchError(RuntimeError):
     pass
 
 
-def ensure_same_config(group, config, device: torch.device = None, what: str = "") -> None:
+def ensure_same_config(group, config, what: str = "") -> None:
     """Raise :class:`ConfigMismatchError` unless every rank of ``group`` has ``config``'s fingerprint.
 
     After a group's first check this is one dict lookup: the fingerprint (a hash of the settings)
-    and the description are made only when the group is checked. ``device`` is unused (kept for
-    callers): nothing of the check runs on a device."""
+    and the description are made only when the group is checked; nothing of it runs on a device."""
     if _agreed_groups.get(id(group)) is group:
         return
     ranks = [dist.get_global_rank(group, r) for r in range(group.size())]

@@ -24,7 +24,7 @@ def peer_never_joins(timeout_s: float = 3.0):
     try:
         if rank == 0:
             try:
-                agreement.ensure_same_config(group, CocConfig(parallel_num=2), torch.device("cpu"))
+                agreement.ensure_same_config(group, CocConfig(parallel_num=2))
             except agreement.ConfigMismatchError as error:
                 said = str(error)
         value = torch.full((4,), float(rank + 1))

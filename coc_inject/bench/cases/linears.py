@@ -51,7 +51,7 @@ def _install(variant: str, layer=None, auto=None) -> None:
     else:
         linears.install(CocConfig(parallel_num=int(variant.split("=")[1]), enable_coc_in_column_backward=True))
     if layer is not None:
-        agreement.ensure_same_config(tp_group(layer), job.current().config, layer.weight.device)
+        agreement.ensure_same_config(tp_group(layer), job.current().config)
 
 
 def _comm_only(case: LinearCase, layer, x, group):
