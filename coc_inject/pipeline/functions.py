@@ -7,8 +7,9 @@ of the ``[TP, B, ...]`` view.
 
 Every Function allocates on its input's device and writes every output row exactly once.
 Weight gradients honour Megatron's contract: plain ``.grad`` by default; with
-``gradient_accumulation_fusion`` they are accumulated into ``weight.main_grad`` with plain
-torch ops and ``grad_added_to_main_grad`` is set when the parameter carries that attribute.
+``gradient_accumulation_fusion`` they are accumulated into ``weight.main_grad`` (:mod:`coc_inject.pipeline.wgrad`:
+the operands in their own dtype, through Megatron's kernel or torch's mixed-dtype GEMM where there is one)
+and ``grad_added_to_main_grad`` is set when the parameter carries that attribute.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from coc_inject.pipeline import collectives
 from coc_inject.pipeline.layout import chunk_bounds
 from coc_inject.pipeline.schedules import run_comm_first, run_compute_first
 from coc_inject.pipeline.matmul import MatmulLayout, matmul_into
+from coc_inject.pipeline.wgrad import into_main_grad
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -56,11 +58,11 @@ class WeightGrad:
             return grad2d.t().matmul(input2d)
         if self.fsdp:
             accum = weight.main_grad = weight.get_main_grad()
-            torch.matmul(grad2d.t().to(accum.dtype), input2d.to(accum.dtype), out=accum)
+            into_main_grad(accum, grad2d, input2d, overwrite=True)
         else:
             weight.main_grad = self.main_grad
             accum = self.main_grad
-            accum.addmm_(grad2d.t().to(accum.dtype), input2d.to(accum.dtype))
+            into_main_grad(accum, grad2d, input2d)
         if not hasattr(weight, "grad_added_to_main_grad"):
             return None
         # Megatron returns a dummy grad so backward hooks run on the main thread

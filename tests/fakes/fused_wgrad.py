@@ -6,8 +6,10 @@ installed: every GPU job), Megatron's linear backward does not return the weight
 ``wgrad_gemm_accum_fp32(total_input, grad_output, weight.main_grad)`` (``..._fp16`` for a half or
 bf16 ``main_grad``), which adds ``grad_output^T @ total_input`` into ``main_grad`` in place, and hands
 autograd a dummy. apex cannot be built here (CUDA), so this module stands in: it checks the call
-contract apex's kernel has (2-D operands with matching rows, a contiguous ``main_grad`` of the weight's
-shape and the kernel's dtype) and computes the true result, accumulated in fp32 as the kernel does.
+contract apex's kernel has (contiguous 2-D operands of one dtype with matching rows -- it reads their
+raw pointers as the input's type --, a contiguous ``main_grad`` of the weight's shape and the kernel's
+dtype, the fp16 kernel's in the operands' own) and computes the true result, accumulated in fp32 as the
+kernel does.
 Verified against this stand-in only, never against apex on a GPU.
 """
 
@@ -20,7 +22,7 @@ import types
 import torch
 
 NAME = "fused_weight_gradient_mlp_cuda"
-calls: list = []  # (kernel name, main_grad shape) of every call since install()
+calls: list = []  # (kernel name, main_grad shape, input dtype, grad_output dtype) of every call since install()
 
 
 def _accumulate(kernel: str, total_input, grad_output, main_grad, dtypes) -> None:
@@ -32,9 +34,14 @@ def _accumulate(kernel: str, total_input, grad_output, main_grad, dtypes) -> Non
     if tuple(main_grad.shape) != (grad_output.shape[1], total_input.shape[1]):
         raise RuntimeError(f"{kernel}: main_grad {tuple(main_grad.shape)} is not "
                            f"[{grad_output.shape[1]}, {total_input.shape[1]}]")
+    if total_input.dtype != grad_output.dtype or not (total_input.is_contiguous() and grad_output.is_contiguous()):
+        raise RuntimeError(f"{kernel}: expects contiguous operands of one dtype, got {total_input.dtype} and "
+                           f"{grad_output.dtype} (Megatron makes them contiguous before the call)")
     if main_grad.dtype not in dtypes or not main_grad.is_contiguous():
         raise RuntimeError(f"{kernel}: main_grad must be a contiguous {dtypes} tensor, got {main_grad.dtype}")
-    calls.append((kernel, tuple(main_grad.shape)))
+    if main_grad.dtype != torch.float32 and main_grad.dtype != total_input.dtype:
+        raise RuntimeError(f"{kernel}: a {main_grad.dtype} main_grad takes operands of its dtype, got {total_input.dtype}")
+    calls.append((kernel, tuple(main_grad.shape), total_input.dtype, grad_output.dtype))
     product = grad_output.float().t() @ total_input.float()
     main_grad.copy_((main_grad.float() + product).to(main_grad.dtype))
 
