@@ -149,3 +149,17 @@ def test_fsdp_buffer_is_overwritten_from_bf16_operands():
         wgrad.into_main_grad(stale, grad, input_, overwrite=True)
         assert fused_wgrad.calls == []
     torch.testing.assert_close(stale, grad.float().t() @ input_.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,sp", [("row", False), ("row", True), ("column", True)], ids=["row", "row-sp", "column-sp"])
+def test_chunked_linears_hand_megatrons_kernel_bf16_operands(pool2, kind, sp):
+    """A bf16 Megatron linear, fused accumulation and apex's kernel on, CoC's chunks running: one kernel call per
+    backward with the bf16 operands, into the fp32 main_grad, within bf16 rounding of Megatron's bf16 grad."""
+    from layer_checks import BF16_BOUND
+
+    for result in pool2.run("wgrad_cases:bf16_main_grad", kind=kind, chunks=3, sequence_parallel=sp):
+        assert result["coc_calls"] > 0
+        assert [(name, a, b) for name, _, a, b in result["kernel_calls"]] == [
+            ("wgrad_gemm_accum_fp32", "torch.bfloat16", "torch.bfloat16")], result["kernel_calls"]
+        assert result["main_grad_dtype"] == "torch.float32"
+        assert result["main_grad_error"] <= BF16_BOUND
