@@ -30,7 +30,8 @@ import sys
 
 import torch
 
-SAME, KERNEL, MIXED, UPCAST = "same dtype", "Megatron's fused_weight_gradient_mlp_cuda", "torch mixed-dtype addmm", "upcast"
+SAME, KERNEL = "same dtype", "Megatron's fused_weight_gradient_mlp_cuda"
+MIXED, UPCAST = "torch mixed-dtype addmm", "upcast"
 HALF = (torch.float16, torch.bfloat16)
 _LINEARS = "megatron.core.tensor_parallel.layers"
 _logger = logging.getLogger("coc_inject")  # coc_inject.log's logger (a floor above: reached by name)
@@ -81,9 +82,11 @@ def choose(device_type: str, input_dtype: torch.dtype, grad_dtype: torch.dtype, 
         way = MIXED
     else:
         way = UPCAST
-        _logger.info("weight gradient on %s: %s/%s operands are copied to %s for main_grad (%s; no %s)",
-                     device_type, input_dtype, grad_dtype, accum_dtype, "Megatron-FSDP's buffer" if overwrite
-                     else "main_grad", "mixed-dtype GEMM for them here" if mixed else "GEMM for mixed operands")
+        why = ("neither Megatron's wgrad kernel nor torch's mixed-dtype addmm is there" if mixed
+               else "no GEMM takes these operand dtypes together")
+        _logger.info("weight gradient on %s: %s x %s operands copied to %s before the GEMM into %s (%s)",
+                     device_type, grad_dtype, input_dtype, accum_dtype,
+                     "Megatron-FSDP's main grad buffer" if overwrite else "main_grad", why)
     if way != UPCAST:
         _logger.debug("weight gradient on %s, %s operands into %s main_grad: %s", device_type, input_dtype,
                       accum_dtype, way)

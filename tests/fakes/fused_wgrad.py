@@ -40,7 +40,8 @@ def _accumulate(kernel: str, total_input, grad_output, main_grad, dtypes) -> Non
     if main_grad.dtype not in dtypes or not main_grad.is_contiguous():
         raise RuntimeError(f"{kernel}: main_grad must be a contiguous {dtypes} tensor, got {main_grad.dtype}")
     if main_grad.dtype != torch.float32 and main_grad.dtype != total_input.dtype:
-        raise RuntimeError(f"{kernel}: a {main_grad.dtype} main_grad takes operands of its dtype, got {total_input.dtype}")
+        raise RuntimeError(f"{kernel}: a {main_grad.dtype} main_grad takes operands of its dtype, "
+                           f"got {total_input.dtype}")
     calls.append((kernel, tuple(main_grad.shape), total_input.dtype, grad_output.dtype))
     product = grad_output.float().t() @ total_input.float()
     main_grad.copy_((main_grad.float() + product).to(main_grad.dtype))

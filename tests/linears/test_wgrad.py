@@ -96,7 +96,7 @@ def test_without_a_kernel_the_cpu_upcasts_and_says_so_once(said, monkeypatch):
     for _ in range(3):
         wgrad.into_main_grad(accum, grad, input_)
     assert wgrad.choose("cpu", torch.bfloat16, torch.bfloat16, torch.float32, None, False) == wgrad.UPCAST
-    assert [line for line in said if "copied to torch.float32" in line] and len(said) == 1, said
+    assert len(said) == 1 and "operands copied to torch.float32" in said[0], said
     torch.testing.assert_close(accum, start + 3 * (grad.float().t() @ input_.float()), rtol=1e-5, atol=1e-5)
 
 
@@ -106,6 +106,18 @@ def test_the_probe_finds_no_mixed_addmm_on_the_cpu_and_runs_it_where_registered(
     assert wgrad.torch_mixed_addmm("cpu", torch.bfloat16, torch.float32) is False
     assert wgrad.torch_mixed_addmm("meta", torch.bfloat16, torch.float32) is True
     assert wgrad.torch_mixed_addmm("meta", torch.float32, torch.float32) is False
+
+
+def test_the_probe_says_no_for_an_old_torch_or_a_refused_call(monkeypatch):
+    """An op this torch lacks (before 2.8), or a kernel whose dtype rules refuse an fp32 accumulator (2.8):
+    False, the exception caught once inside the probe."""
+    def missing(name, key):
+        raise RuntimeError(f"operator {name} does not exist")
+
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", missing)
+    assert wgrad.torch_mixed_addmm.__wrapped__("cuda", torch.bfloat16, torch.float32) is False
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda name, key: True)
+    assert wgrad.torch_mixed_addmm.__wrapped__("cpu", torch.bfloat16, torch.float32) is False  # the call refused
 
 
 @pytest.mark.parametrize("kernel,mixed,want", [
@@ -151,7 +163,8 @@ def test_fsdp_buffer_is_overwritten_from_bf16_operands():
     torch.testing.assert_close(stale, grad.float().t() @ input_.float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind,sp", [("row", False), ("row", True), ("column", True)], ids=["row", "row-sp", "column-sp"])
+@pytest.mark.parametrize("kind,sp", [("row", False), ("row", True), ("column", True)],
+                         ids=["row", "row-sp", "column-sp"])
 def test_chunked_linears_hand_megatrons_kernel_bf16_operands(pool2, kind, sp):
     """A bf16 Megatron linear, fused accumulation and apex's kernel on, CoC's chunks running: one kernel call per
     backward with the bf16 operands, into the fp32 main_grad, within bf16 rounding of Megatron's bf16 grad."""
