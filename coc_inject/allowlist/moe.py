@@ -1,5 +1,5 @@
 """The MoE pieces' rows: Megatron's ``alltoall`` dispatcher's dispatch and combine cut into pieces
-around ``SequentialMLP``'s local experts (moe/guards.py also checks the layer's dispatcher and
+around ``SequentialMLP``'s local experts or the legacy ``GroupedMLP`` (moe/guards.py also checks the layer's dispatcher and
 experts classes, EP 1 and inference per layer or call). Routing, permutation, the shared expert, the
 aux losses and recompute run as Megatron wrote them; the attention and the dense layers are irrelevant.
 """
@@ -44,12 +44,14 @@ FLEX_DETAILS = supported(
     "moe_hybridep_num_blocks_unpermute", "moe_hybridep_num_sms_preprocessing", "moe_ncclep_static_shape",
     "moe_ncclep_zero_copy", "moe_expert_rank_capacity_factor")
 
-GROUPED = refused(
-    "grouped experts (GroupedMLP / TEGroupedMLP): one kernel for all local experts; pieces need SequentialMLP",
-    "moe_grouped_gemm")
+GROUPED = supported(
+    "grouped experts: the legacy GroupedMLP (the local spec, 0.12 to 0.16) runs as pieces, each a chunk of every "
+    "local expert's rows in one grouped GEMM (moe/grouped.py; tests/moe/test_moe_grouped.py); TEGroupedMLP (the "
+    "Transformer Engine spec) runs Megatron's dispatcher, its class refused by moe/guards.py with the reason",
+    "moe_grouped_gemm", "moe_use_legacy_grouped_gemm")
 GROUPED_DETAILS = supported(
-    "read only by grouped experts (refused)",
-    "moe_use_legacy_grouped_gemm", "moe_single_grouped_weight", "moe_single_grouped_bias")
+    "read only by TEGroupedMLP (refused by its class, moe/guards.py)",
+    "moe_single_grouped_weight", "moe_single_grouped_bias")
 
 # The feature each reason names (moe/guards.py's deny-list before the allow-list, same words).
 REFUSED = table(

@@ -22,6 +22,8 @@ from typing import ClassVar
 
 import torch
 
+from coc_inject.moe import grouped
+
 MEGATRON = "megatron"  # the baseline candidate: Megatron's dispatcher (a name: the cache keeps counts >= 1)
 CHUNKS = (1, 2, 4, 8)  # chunks per local expert tried beside it
 ANY_TOKENS = 0  # a key's token count: whatever each rank of the group holds (module docstring)
@@ -40,18 +42,23 @@ class MoEKey:
     dtype: str
     device: str
     backward: bool
+    grouped: bool = False  # grouped experts (GroupedMLP): a piece is a chunk of every local expert's rows
 
     def text(self) -> str:
         tokens = "any tokens" if self.tokens == ANY_TOKENS else self.tokens
-        return (f"MoE [{tokens}, {self.hidden}] ffn {self.ffn} top-{self.topk} of {self.experts} experts "
-                f"EP{self.ep} {self.dtype} {self.device}" + ("" if self.backward else " forward-only"))
+        return (f"MoE [{tokens}, {self.hidden}] ffn {self.ffn} top-{self.topk} of {self.experts} "
+                f"{'grouped ' if self.grouped else ''}experts EP{self.ep} {self.dtype} {self.device}"
+                + ("" if self.backward else " forward-only"))
 
     def cache_fields(self) -> list:
-        return ["moe", self.tokens, self.hidden, self.ffn, self.topk, self.experts, self.ep, self.dtype,
-                self.device, self.backward]
+        fields = ["moe", self.tokens, self.hidden, self.ffn, self.topk, self.experts, self.ep, self.dtype,
+                  self.device, self.backward]
+        return fields + ["grouped"] if self.grouped else fields  # SequentialMLP's keys as before
 
     def name(self, choice) -> str:
-        return "Megatron's dispatcher" if choice == MEGATRON else f"pieces, {choice} chunk(s) per expert"
+        if choice == MEGATRON:
+            return "Megatron's dispatcher"
+        return f"pieces, {choice} chunk(s) of every expert's rows" if self.grouped else f"pieces, {choice} chunk(s) per expert"
 
     @staticmethod
     def candidate(choice) -> str:
@@ -64,7 +71,7 @@ def key_of(layer, hidden_states: torch.Tensor) -> MoEKey:
                   config.moe_ffn_hidden_size or config.ffn_hidden_size, config.moe_router_topk,
                   config.num_moe_experts, layer.token_dispatcher.ep_size,
                   str(hidden_states.dtype).replace("torch.", ""), hidden_states.device.type,
-                  torch.is_grad_enabled())
+                  torch.is_grad_enabled(), grouped.is_grouped(layer.experts))
 
 
 def choose(tuner, key: MoEKey, group, tokens, probs, run_megatron, run_pieces, experts):

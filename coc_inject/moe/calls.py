@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from coc_inject import job, log, trial
-from coc_inject.moe import auto, counts, guards
+from coc_inject.moe import auto, counts, grouped, guards
 from coc_inject.moe.function import PieceRun, PipelinedExperts
 from coc_inject.routes import MoERoute
 
@@ -36,6 +36,16 @@ DECIDING = -1  # a call of COC_MOE_OVERLAP=auto whose shape is decided in the ex
 
 def chunks_per_expert(local_experts: int) -> int:
     return max(1, math.ceil(MIN_PIECES / local_experts))
+
+
+def default_chunks(layer) -> int:
+    """COC_MOE_OVERLAP=1's chunks: MIN_PIECES pieces, each one expert's chunk (SequentialMLP) or a chunk
+    of every local expert's rows (grouped experts: one grouped GEMM per piece)."""
+    return MIN_PIECES if grouped.is_grouped(layer.experts) else chunks_per_expert(layer.token_dispatcher.num_local_experts)
+
+
+def piece_count(layer, chunks: int) -> int:
+    return chunks if grouped.is_grouped(layer.experts) else layer.token_dispatcher.num_local_experts * chunks
 
 
 @dataclass
@@ -88,13 +98,17 @@ class MoECall:
         """The combined rows of the pieces at ``chunks`` per expert."""
         experts, dispatcher = self.experts, self.dispatcher
         apply_on_input = experts.config.moe_apply_probs_on_input
+        in_groups = grouped.is_grouped(experts)
 
-        def expert(index, rows, row_probs):
+        def expert(piece, rows, row_probs):
             if apply_on_input:  # as SequentialMLP: probs scale the input, then count as 1
                 rows = (row_probs.unsqueeze(-1) * rows).to(rows.dtype)
                 row_probs = torch.ones_like(row_probs)
-            output, _ = experts.local_experts[index](rows, row_probs)
+            output, _ = experts.local_experts[piece.expert](rows, row_probs)
             return output
+
+        if in_groups:  # one call of the experts' own forward per piece (it applies the probs as its release does)
+            expert = grouped.expert(experts, grouped.megatron_forward(self.installation.patches, experts))
 
         # Inside any trial (a block's, whose copies run the pieces, as well as this wing's own) the
         # backward must not accumulate: trial.isolated took main_grad off, and DDP's hook would fail on it.
@@ -102,7 +116,7 @@ class MoECall:
         parameters = any(p.requires_grad for p in experts.parameters())
         needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or parameters)
         tp_group = dispatcher.tp_group if dispatcher.tp_size > 1 else None
-        layout = counts.piece_layout(dispatcher, chunks, self.sent, self.received)
+        layout = counts.piece_layout(dispatcher, chunks, self.sent, self.received, in_groups)
         run = PieceRun(layout, expert, dispatcher.ep_group, tp_group, dispatcher.probs.dtype, needs_grad, accumulate)
         return PipelinedExperts.apply(tokens, probs, run)
 
@@ -118,17 +132,17 @@ def current(owner) -> MoECall | None:
     return call
 
 
-def layer_forward(installation, original, chunks: int | None, megatron_middle: Callable):
-    """``MoELayer.forward``: decide the call, run Megatron's forward with the call current, count it."""
+def layer_forward(installation, original, chunks: int | None, megatron_middle: Callable, taken=None):
+    """``MoELayer.forward``: decide the call, run Megatron's forward with the call current, count it.
+    ``taken``: the experts classes whose forward stages.py made run the pieces (None: the layer's stages)."""
     deciding = installation.config.moe_overlap == "auto"
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        reason = _layer_reason(self) or guards.call_reason(self)
+        reason = _layer_reason(self, taken) or guards.call_reason(self)
         call = None
         if reason is None:
-            call = MoECall(installation, self, chunks or chunks_per_expert(self.token_dispatcher.num_local_experts),
-                           megatron_middle)
+            call = MoECall(installation, self, chunks or default_chunks(self), megatron_middle)
             if deciding:
                 call.look_up(hidden_states)
                 if call.chunks == auto.MEGATRON:
@@ -144,11 +158,16 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
     return forward
 
 
-def _layer_reason(layer):
-    """guards.layer_reason, once per layer (its construction, not its input)."""
+def _layer_reason(layer, taken=None):
+    """guards.layer_reason, once per layer (its construction, not its input); and where the pieces run in
+    the experts' forward, whether this job took over that of the layer's experts class."""
     cached = layer.__dict__.get("_coc_moe_layer_reason", _unset)
     if cached is _unset:
-        cached = layer.__dict__["_coc_moe_layer_reason"] = guards.layer_reason(layer)
+        cached = guards.layer_reason(layer)
+        if cached is None and taken is not None and not isinstance(layer.experts, tuple(taken)):
+            cached = (f"{type(layer.experts).__name__} experts: this megatron-core's stages run the pieces in "
+                      f"the experts' forward, taken over here for {' / '.join(c.__name__ for c in taken)} only")
+        layer.__dict__["_coc_moe_layer_reason"] = cached
     return cached
 
 
@@ -161,7 +180,7 @@ def _count(installation, layer, call, reason) -> None:
     if call is None:
         route = MoERoute(0, 0, reason)
     else:
-        route = MoERoute(call.dispatcher.num_local_experts * call.chunks, call.chunks)
+        route = MoERoute(piece_count(layer, call.chunks), call.chunks)
     layer._coc_moe = route  # this layer's last route (tests, selftest, a user poking at the model)
     if reason is not None and reason != AUTO_CHOSE_MEGATRON:
         log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")

@@ -50,8 +50,9 @@ def split(dispatcher, host: torch.Tensor) -> tuple:
     return host[:local], values[local:local + experts], values[local + experts:]
 
 
-def piece_layout(dispatcher, chunks: int, sent: list, received: list) -> list:
-    """The pieces of the dispatcher's current call at ``chunks`` per local expert."""
+def piece_layout(dispatcher, chunks: int, sent: list, received: list, grouped: bool = False) -> list:
+    """The pieces of the dispatcher's current call at ``chunks`` per local expert (``grouped``: a piece
+    per chunk of every local expert's rows, layout.grouped_pieces)."""
     ep, tp, local = dispatcher.ep_size, dispatcher.tp_size, dispatcher.num_local_experts
     if len(sent) != dispatcher.config.num_moe_experts or len(received) != tp * ep * local:
         raise RuntimeError(f"MoE overlap: the dispatcher's counts have {len(sent)} experts and {len(received)} "
@@ -59,4 +60,5 @@ def piece_layout(dispatcher, chunks: int, sent: list, received: list) -> list:
                            f"and {tp * ep * local}")
     per_rank = [received[r * local:(r + 1) * local] for r in range(tp * ep)]
     global_counts = [per_rank[t * ep:(t + 1) * ep] for t in range(tp)]
-    return layout.pieces(sent, global_counts, local, chunks, dispatcher.tp_rank)
+    cut = layout.grouped_pieces if grouped else layout.pieces
+    return cut(sent, global_counts, local, chunks, dispatcher.tp_rank)

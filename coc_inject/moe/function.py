@@ -41,7 +41,7 @@ class PieceRun:
     """One layer call's pieces: what the Function needs besides the tensors."""
 
     pieces: list  # layout.Piece, in schedule order
-    expert: Callable  # (local expert, tokens, probs) -> output rows
+    expert: Callable  # (piece, tokens, probs) -> output rows: its local expert's, or the grouped experts'
     ep_group: object
     tp_group: object  # the expert tensor-parallel group; None without expert TP
     combine_dtype: torch.dtype  # Megatron reduce-scatters the experts' output in the probs' dtype
@@ -89,7 +89,7 @@ class PipelinedExperts(torch.autograd.Function):
                 if run.needs_grad:  # leaves of the piece's own graph; the backward reads their .grad
                     piece_tokens.requires_grad_()
                     piece_probs.requires_grad_()
-                output = run.expert(piece.expert, piece_tokens, piece_probs)
+                output = run.expert(piece, piece_tokens, piece_probs)
             if run.needs_grad:
                 run.saved.append((piece_tokens, piece_probs, output))
             if p + 1 < len(pieces):

@@ -45,14 +45,27 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
     if _left_to_mindspeed:
         return
     stages.install_preprocess(patches, dispatcher)
+    taken = None  # the experts classes whose forward runs the pieces (None: any, the layer's stages run them)
     if stages.has_layer_stages(layer):
         megatron_middle = stages.install_layer_stages(patches, layer)
-    elif stages.has_dispatcher_stages(dispatcher, experts.SequentialMLP):
-        megatron_middle = stages.install_dispatcher_stages(patches, dispatcher, experts.SequentialMLP)
+    elif stages.has_dispatcher_stages(dispatcher, _experts_classes(experts)):
+        taken = _experts_classes(experts)
+        megatron_middle = stages.install_dispatcher_stages(patches, dispatcher, taken)
     else:  # no stage to take over (0.12): every layer runs Megatron's dispatcher (guards.layer_reason says why)
         megatron_middle = None
     original_forward = patches.original(layer, "forward")
-    patches.patch(layer, "forward", calls.layer_forward(installation, original_forward, chunks, megatron_middle))
+    patches.patch(layer, "forward", calls.layer_forward(installation, original_forward, chunks, megatron_middle, taken))
+
+
+def _experts_classes(experts_module) -> list:
+    """The experts classes whose forward runs the pieces on 0.13 to 0.15: SequentialMLP, and the legacy
+    GroupedMLP where the release has it and MindSpeed did not put its own grouped experts there (guards
+    send a layer with MindSpeed's class to Megatron's path, naming MindSpeed's feature)."""
+    classes = [experts_module.SequentialMLP]
+    if hasattr(experts_module, "GroupedMLP") and mindspeed.attribute_feature(
+            experts_module, "GroupedMLP", mindspeed.MOE) is None:
+        classes.append(experts_module.GroupedMLP)
+    return classes
 
 
 on_moe_layer_imported = job.wing_hook(lambda config: config.moe_armed, _install, banner)

@@ -7,7 +7,8 @@ Every release: the dispatcher's ``preprocess`` sends the pieces' counts along wi
 Megatron's host synchronisation point), ``routed_experts_compute`` runs the pieces (dispatch,
 experts, combine) and ``combine`` passes the combined rows on to Megatron's unpermute. Older
 releases (0.13 to 0.15) have no such layer methods: the dispatcher's ``token_dispatch`` /
-``dispatch_postprocess`` pass the rows on, ``SequentialMLP.forward`` runs the pieces,
+``dispatch_postprocess`` pass the rows on, the experts' forward (``SequentialMLP``'s, and the legacy
+``GroupedMLP``'s where Megatron's own class is in place) runs the pieces,
 ``combine_preprocess`` / ``token_combine`` pass the combined rows on. A release with neither
 (0.12: the dispatcher's ``token_permutation`` / ``token_unpermutation`` do it all) is not wrapped:
 its MoE layers run Megatron's dispatcher, with guards.missing_stages()'s reason.
@@ -27,8 +28,9 @@ def has_layer_stages(layer_class) -> bool:
     return all(name in vars(layer_class) for name in LAYER_STAGES)
 
 
-def has_dispatcher_stages(dispatcher_class, experts_class) -> bool:
-    return all(name in vars(dispatcher_class) for name in DISPATCHER_STAGES) and "forward" in vars(experts_class)
+def has_dispatcher_stages(dispatcher_class, experts_classes) -> bool:
+    return (all(name in vars(dispatcher_class) for name in DISPATCHER_STAGES)
+            and all("forward" in vars(cls) for cls in experts_classes))
 
 
 def install_preprocess(patches, dispatcher_class) -> None:
@@ -59,7 +61,7 @@ def _counts_to_host(call) -> None:
     call.take_counts(host)
 
 
-def _unless_pieces(original, deferred):
+def unless_pieces(original, deferred):
     """``original`` unless its object's call runs as pieces: then ``deferred(call, *args)``."""
     @functools.wraps(original)
     def stage(self, *args, **kwargs):
@@ -88,7 +90,7 @@ def install_layer_stages(patches, layer_class):
         return output
 
     for name, deferred in zip(LAYER_STAGES, (dispatch, routed_experts_compute, combine)):
-        patches.patch(layer_class, name, _unless_pieces(originals[name], deferred))
+        patches.patch(layer_class, name, unless_pieces(originals[name], deferred))
 
     def megatron_middle(call, tokens, probs):
         layer = call.layer
@@ -100,14 +102,13 @@ def install_layer_stages(patches, layer_class):
     return megatron_middle
 
 
-# megatron-core 0.13 to 0.15: the dispatcher's stages and SequentialMLP.forward
+# megatron-core 0.13 to 0.15: the dispatcher's stages and the experts' forward (SequentialMLP, GroupedMLP)
 
 
-
-def install_dispatcher_stages(patches, dispatcher_class, experts_class):
-    """Wrap the dispatcher's four stages and the experts' forward; returns Megatron's middle."""
+def install_dispatcher_stages(patches, dispatcher_class, experts_classes):
+    """Wrap the dispatcher's four stages and each experts class's forward; returns Megatron's middle."""
     originals = {name: patches.original(dispatcher_class, name) for name in DISPATCHER_STAGES}
-    experts_forward = patches.original(experts_class, "forward")
+    experts_forwards = {cls: patches.original(cls, "forward") for cls in experts_classes}
 
     def token_dispatch(call, tokens, probs):
         _synchronize(call.dispatcher, "before_ep_alltoall")
@@ -121,19 +122,21 @@ def install_dispatcher_stages(patches, dispatcher_class, experts_class):
         return hidden_states
 
     for name, deferred in zip(DISPATCHER_STAGES, (token_dispatch, dispatch_postprocess, passed_on, passed_on)):
-        patches.patch(dispatcher_class, name, _unless_pieces(originals[name], deferred))
+        patches.patch(dispatcher_class, name, unless_pieces(originals[name], deferred))
 
     def pieces_forward(call, tokens, tokens_per_expert, probs):
         return call.run_experts(tokens, probs), None
 
-    patches.patch(experts_class, "forward", _unless_pieces(experts_forward, pieces_forward))
+    for cls, forward in experts_forwards.items():
+        patches.patch(cls, "forward", unless_pieces(forward, pieces_forward))
 
     def megatron_middle(call, tokens, probs):
         dispatcher = call.dispatcher
         dispatcher.tokens_per_expert = call.tokens_per_expert  # as the deferred stages found it
         tokens, probs = originals["token_dispatch"](dispatcher, tokens, probs)
         tokens, tokens_per_expert, probs = originals["dispatch_postprocess"](dispatcher, tokens, probs)
-        output, _ = experts_forward(call.experts, tokens, tokens_per_expert, probs)
+        forward = next(experts_forwards[cls] for cls in type(call.experts).__mro__ if cls in experts_forwards)
+        output, _ = forward(call.experts, tokens, tokens_per_expert, probs)
         return originals["token_combine"](dispatcher, originals["combine_preprocess"](dispatcher, output))
 
     return megatron_middle

@@ -18,6 +18,7 @@ from coc_inject.testbed.cpu import CpuLayerNorm, cpu_moe_shims
 from coc_inject.config import CocConfig
 from coc_inject.multi_copy.forward import last_route
 from tests.dist_harness import reinitialize_model_parallel
+from tests.fakes import grouped_gemm
 
 _state_key = None
 
@@ -34,6 +35,8 @@ def cpu_shims() -> None:
     if not _even:  # once per process: torch's own, never a wrapper of these
         _even.update(all_gather=dist.all_gather, reduce_scatter=dist.reduce_scatter)
         dist.all_gather, dist.reduce_scatter = _uneven_all_gather, _uneven_reduce_scatter
+    # Megatron's grouped_gemm extension (CUDA only) for the legacy GroupedMLP: the CPU stand-in.
+    grouped_gemm.install()
     # 0.16's router names Transformer Engine's GEMM, defined only when TE imports.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -68,7 +71,7 @@ def _uneven_reduce_scatter(output, inputs, group=None, async_op=False, **kwargs)
     assert not async_op
 
 
-def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None, cp: int = 1) -> None:
+def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None, cp: int = 1, chunks: int | None = None) -> None:
     """Megatron's parallel state for TP x CP x EP (expert TP ``etp``); the MoE wing installed for
     ``coc``, and with it the other wings ``coc`` arms (one installation: they compose)."""
     from megatron.core import parallel_state
@@ -88,7 +91,7 @@ def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None, cp: int =
             cp_install.install(config, dot_product_attention, parallel_state)
         if config.enabled:
             linears.install(config)
-        install.install(config, moe_layer)
+        install.install(config, moe_layer, chunks)
         if config.multi_copy_armed:  # the same installation: the wings compose
             from megatron.core.transformer import transformer_block
 
@@ -112,6 +115,8 @@ def seed_parameters(module, local_experts: int) -> None:
             head, _, rest = name.partition(".local_experts.")
             index, _, tail = rest.partition(".")
             name = f"{head}.experts.{first + int(index)}.{tail}"
+        elif name.startswith("experts.weight") or ".experts.weight" in name:  # GroupedMLP: all local experts'
+            name = f"{name}.ep{parallel_state.get_expert_model_parallel_rank()}"
         generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         with torch.no_grad():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
@@ -130,12 +135,14 @@ def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, **e
     return TransformerConfig(**{**settings, **extra})
 
 
-def build_layer(**kwargs):
+def build_layer(grouped=False, **kwargs):
+    """Megatron's MoE layer of the local spec: SequentialMLP experts, or with ``grouped`` the legacy
+    GroupedMLP (``--moe-grouped-gemm``; its grouped_gemm extension: tests/fakes/grouped_gemm.py)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    config = moe_config(**kwargs)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+    config = moe_config(**kwargs, **({"moe_grouped_gemm": True} if grouped else {}))
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped).submodules.mlp
     layer = spec(config=config) if callable(spec) else build_module(spec, config=config)  # 0.13-0.15: a ModuleSpec
     seed_parameters(layer, layer.num_local_experts)
     return layer
@@ -197,17 +204,18 @@ class AllToAllRecorder:
         self._replaced.__exit__(None, None, None)
 
 
-def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="random", shun=None, etp=1, **model):
+def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="random", shun=None, etp=1, chunks=None,
+               **model):
     """Megatron's MoE layer unpatched, then with ``coc``: output, input gradient and parameter
     gradients (max abs differences), the route, and the patched run's all-to-alls."""
     setup(ep, etp=etp, coc=None)
     layer = build_layer(experts=experts, topk=topk, hidden=hidden, ep=ep, etp=etp, **model)
     if shun is not None:
         _shun_expert(layer, shun)
-    x = layer_input(kind, tokens, hidden)
+    x = layer_input(kind, tokens, hidden).to(layer.config.params_dtype)
     with AllToAllRecorder() as unpatched:
         want = _step(layer, x)
-    setup(ep, etp=etp, coc=coc or {"moe_overlap": "1"})
+    setup(ep, etp=etp, coc=coc or {"moe_overlap": "1"}, chunks=chunks)
     with AllToAllRecorder() as patched:
         got = _step(layer, x)
     dispatcher = layer.token_dispatcher

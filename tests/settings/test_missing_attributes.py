@@ -86,9 +86,9 @@ def test_on_0_12_a_linear_without_tp_group_uses_parallel_states_group(monkeypatc
 
 # -- the MoE pieces -----------------------------------------------------------------------------------
 
-def _moe(*, missing: tuple = (), stage_owner: str = "layer"):
-    """A stand-in MoE layer (alltoall dispatcher, SequentialMLP, EP 2) less ``missing`` = (owner, name);
-    its stages on the layer (0.16+) or on the dispatcher (0.13-0.15)."""
+def _moe(*, missing: tuple = (), stage_owner: str = "layer", experts_class: str = "SequentialMLP"):
+    """A stand-in MoE layer (alltoall dispatcher, SequentialMLP or GroupedMLP experts, EP 2) less
+    ``missing`` = (owner, name); its stages on the layer (0.16+) or on the dispatcher (0.13-0.15)."""
     def build(owner, name, attributes):
         attributes = {key: value for key, value in attributes.items() if (owner, key) != missing}
         return type(name, (), attributes)()
@@ -100,7 +100,8 @@ def _moe(*, missing: tuple = (), stage_owner: str = "layer"):
         "local_expert_indices": [0], "ep_group": _Group(), "tp_group": None, "tp_ep_group": _Group(),
         "preprocess": stage, "_maybe_dtoh_and_synchronize": stage,
         **({name: stage for name in stages.DISPATCHER_STAGES} if stage_owner == "dispatcher" else {})})
-    experts = build("experts", "SequentialMLP", {"config": config, "local_experts": []})
+    experts = build("experts", experts_class, {"config": config, "local_experts": [], "num_local_experts": 1,
+                                               "forward": stage})
     return build("layer", "MoELayer", {
         "config": config, "token_dispatcher": dispatcher, "experts": experts,
         **({name: stage for name in stages.LAYER_STAGES} if stage_owner == "layer" else {})})
@@ -110,6 +111,13 @@ def _moe_cases():
     return ([("layer", name) for name in moe_guards.LAYER_READS]
             + [("dispatcher", name) for name in moe_guards.DISPATCHER_READS]
             + [("experts", name) for name in moe_guards.EXPERTS_READS])
+
+
+@pytest.mark.parametrize("name", moe_guards.GROUPED_EXPERTS_READS)
+def test_grouped_experts_lacking_an_attribute_run_megatrons_dispatcher_naming_it(name):
+    assert moe_guards.layer_reason(_moe(experts_class="GroupedMLP")) is None
+    why = moe_guards.layer_reason(_moe(missing=("experts", name), experts_class="GroupedMLP"))
+    assert why is not None and f"has no attribute {name!r}" in why, why
 
 
 @pytest.mark.parametrize("stage_owner", ["layer", "dispatcher"])

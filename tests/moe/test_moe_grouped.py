@@ -1,0 +1,131 @@
+"""COC_MOE_OVERLAP on Megatron's legacy grouped experts (``GroupedMLP``, ``--moe-grouped-gemm`` with the
+local spec; megatron-core 0.12 to 0.16), its ``grouped_gemm`` extension the CPU stand-in of
+tests/fakes/grouped_gemm.py: a piece is a chunk of every local expert's rows, run as one call of
+``GroupedMLP.forward`` (one grouped GEMM per linear). Output, input gradient and the weights'
+gradients against the same layer on Megatron's dispatcher, on gloo ranks; the all-to-alls in one order
+on every rank; auto over it. megatron-core 0.17+ has no GroupedMLP (TEGroupedMLP only: Transformer
+Engine, not buildable here): the layer cases skip there, saying so."""
+
+import pytest
+import torch
+
+from coc_inject.megatron_version import importable, release
+from coc_inject.moe.calls import AUTO_CHOSE_MEGATRON
+from tests.fakes import grouped_gemm
+from tests.moe.test_moe import check_order
+
+MEGATRON = release(importable().version)
+HAS_GROUPED_MLP = MEGATRON < (0, 17)
+BF16_ONLY = MEGATRON >= (0, 16)  # 0.16's GroupedMLP.forward asserts config.bf16
+STAGES = MEGATRON >= (0, 13)  # 0.12: whatever its permutation stages take over (tests/moe/test_moe.py)
+needs_grouped = pytest.mark.skipif(not (HAS_GROUPED_MLP and STAGES), reason=(
+    "megatron-core >= 0.17 has no legacy GroupedMLP (TEGroupedMLP only)" if not HAS_GROUPED_MLP
+    else "megatron-core 0.12: grouped experts on its permutation stages are not taken over yet"))
+# bf16: the pieces' GEMMs see fewer rows and sum the weight gradients piece by piece, each rounded to bf16
+# (Megatron's: one sum over all rows): a few bf16 ulps at the tensors' scale. 2**-6 relative, stated.
+BF16_BOUND = 2.0 ** -6
+FP32_BOUND = 1e-5
+
+
+def run(pool, **case):
+    return pool.run("tests.moe.moe_cases:layer_case", grouped=True, **case)
+
+
+def dtype_settings(dtype: str) -> dict:
+    return {"params_dtype": torch.bfloat16, "bf16": True} if dtype == "bf16" else {}
+
+
+def check_close(results, chunks, dtype):
+    bound = BF16_BOUND if dtype == "bf16" else FP32_BOUND
+    for rank, r in enumerate(results):
+        assert r["route"] == ("pieces", chunks), (rank, r["route"])
+        assert r["same_params"]
+        for what, scale in (("out", r["out_scale"]), ("x_grad", r["out_scale"]),
+                            ("param_grad", r["param_grad_scale"])):
+            assert r[what] <= bound * max(1.0, scale), (rank, dtype, what, r[what], scale)
+
+
+@pytest.fixture(scope="module")
+def pool(pool4):
+    return pool4
+
+
+def test_the_stand_in_checks_the_kernels_contract_and_computes_the_grouped_products():
+    a = torch.randn(7, 4, dtype=torch.float64).float().requires_grad_()
+    b = torch.randn(3, 4, 5).requires_grad_()
+    sizes = torch.tensor([2, 0, 5])
+    out = grouped_gemm.gmm(a, b, sizes)
+    want = torch.cat([a[:2] @ b[0], a[2:] @ b[2]])
+    assert torch.allclose(out, want, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    a_ref, b_ref = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    torch.cat([a_ref[:2] @ b_ref[0], a_ref[2:2] @ b_ref[1], a_ref[2:] @ b_ref[2]]).backward(grad)
+    assert torch.allclose(a.grad, a_ref.grad, atol=1e-6) and torch.allclose(b.grad, b_ref.grad, atol=1e-6)
+    bt = b.detach().transpose(1, 2).contiguous().requires_grad_()  # [experts, n, k] with trans_b
+    out_t = grouped_gemm.gmm(a.detach(), bt, sizes, trans_b=True)
+    assert torch.allclose(out_t, want.detach(), atol=1e-6)
+    out_t.backward(grad)
+    assert torch.allclose(bt.grad, b_ref.grad.transpose(1, 2), atol=1e-6)
+    refused = [
+        (a, b, sizes.cuda() if torch.cuda.is_available() else sizes.tolist(), "on the host"),
+        (a, b, sizes.int(), "int64"),
+        (a, b, torch.tensor([2, 0, 4]), "do not sum"),
+        (a, b, torch.tensor([2, 5]), "batch sizes for 3 experts"),
+        (a, b.transpose(1, 2), sizes, "contraction"),
+        (a.t().contiguous().t(), b, sizes, "contiguous"),
+        (a.double(), b, sizes, "dtype"),
+        (a[0], b, sizes, "2-D"),
+    ]
+    for a_, b_, sizes_, words in refused:
+        with pytest.raises(RuntimeError, match=words):
+            grouped_gemm.gmm(a_, b_, sizes_)
+
+
+def test_megatrons_grouped_mlp_sees_the_stand_in():
+    if not HAS_GROUPED_MLP:
+        pytest.skip("megatron-core >= 0.17: no grouped_gemm_util")
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    with grouped_gemm.installed():
+        assert grouped_gemm_util.grouped_gemm_is_available()
+        grouped_gemm_util.assert_grouped_gemm_is_available()
+        assert grouped_gemm_util.ops.gmm is grouped_gemm.gmm
+
+
+@needs_grouped
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("ep,experts,topk,etp", [(2, 4, 2, 1), (2, 4, 2, 2), (4, 8, 1, 1)],
+                         ids=["ep2-2local-top2", "ep2-etp2-2local-top2", "ep4-2local-top1"])
+def test_grouped_pieces_equal_megatron(pool, ep, experts, topk, etp, dtype):
+    if dtype == "fp32" and BF16_ONLY:
+        pytest.skip("megatron-core 0.16's GroupedMLP asserts bf16")
+    results = run(pool, ep=ep, experts=experts, topk=topk, etp=etp, **dtype_settings(dtype))
+    check_close(results, 8, dtype)
+    if etp == 1:
+        check_order(results, 8)
+
+
+@needs_grouped
+def test_one_chunk_is_megatrons_grouped_gemm_bitwise(pool):
+    dtype = "bf16" if BF16_ONLY else "fp32"
+    results = pool.run("tests.moe.moe_cases:layer_case", grouped=True, ep=2, experts=4, chunks=1,
+                       **dtype_settings(dtype))
+    for r in results:
+        assert r["route"] == ("pieces", 1)
+        assert r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0, r
+
+
+@needs_grouped
+def test_auto_over_grouped_experts_decides_once_alike_and_stays_close(pool):
+    dtype = "bf16" if BF16_ONLY else "fp32"
+    results = pool.run("tests.moe.moe_cases:auto_case", grouped=True, ep=2, experts=4, **dtype_settings(dtype))
+    for group in ((0, 1), (2, 3)):
+        decisions = [results[rank]["decisions"] for rank in group]
+        assert len(decisions[0]) == 1 and decisions[0][0][2] == "trials" and decisions[1] == decisions[0]
+        assert "grouped experts" in decisions[0][0][0]
+        choice = decisions[0][0][1]
+        if choice == "megatron":
+            assert all(results[rank]["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for rank in group)
+        else:
+            check_close([results[rank] for rank in group], choice, dtype)
