@@ -83,9 +83,14 @@ def gloo_split_lists() -> None:
 
 
 def cpu_moe_shims() -> None:
-    """Megatron's alltoall dispatcher on CPU ranks, for the rest of the process."""
+    """Megatron's alltoall dispatcher on CPU ranks, for the rest of the process (and 0.13 to 0.16's
+    router, which names Transformer Engine's GEMM, defined only where TE imports)."""
+    from megatron.core.transformer.moe import moe_utils
+
     replace_streams()
     gloo_split_lists()
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def cpu_recompute_rng() -> None:

@@ -187,9 +187,11 @@ def block_variant(block, config, compute_only: bool = False, ran: dict | None = 
         job.uninstall()
 
 
-def build_moe_layer(hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype=None):
-    """A megatron-core MoE layer (local spec: alltoall dispatcher, SequentialMLP experts); on CPU ranks with
-    :func:`coc_inject.testbed.cpu.cpu_moe_shims` applied."""
+def build_moe_layer(hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype=None, grouped: bool = False):
+    """A megatron-core MoE layer (local spec: alltoall dispatcher, SequentialMLP experts; with ``grouped`` the
+    legacy GroupedMLP, megatron-core 0.12 to 0.16, its grouped_gemm kernel on CPU ranks
+    :mod:`coc_inject.testbed.grouped_gemm`'s); on CPU ranks with :func:`coc_inject.testbed.cpu.cpu_moe_shims`
+    applied."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -200,6 +202,7 @@ def build_moe_layer(hidden: int, ffn: int, experts: int, topk: int, ep: int, dty
         num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=ep, moe_aux_loss_coeff=0.0, add_bias_linear=False, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bias_activation_fusion=False, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe_router_pre_softmax=topk == 1)
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False).submodules.mlp
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, moe_router_pre_softmax=topk == 1,
+        moe_grouped_gemm=grouped)
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped).submodules.mlp
     return spec(config=config) if callable(spec) else build_module(spec, config=config)

@@ -129,3 +129,50 @@ def test_auto_over_grouped_experts_decides_once_alike_and_stays_close(pool):
             assert all(results[rank]["route"] == ("megatron", AUTO_CHOSE_MEGATRON) for rank in group)
         else:
             check_close([results[rank] for rank in group], choice, dtype)
+
+
+@pytest.mark.skipif(STAGES or not HAS_GROUPED_MLP, reason="megatron-core 0.12 only")
+def test_on_0_12_grouped_experts_run_megatrons_dispatcher_and_say_why(pool):
+    """0.12's stages (its dispatcher's token_permutation / token_unpermutation) run the pieces in
+    SequentialMLP's forward only: a GroupedMLP layer keeps Megatron's dispatcher, with the reason, never
+    a wrong result."""
+    for r in run(pool, ep=2, experts=4):
+        assert r["route"][0] == "megatron" and r["route"][1], r["route"]
+        assert "GroupedMLP" in r["route"][1] or "no stage" in r["route"][1], r["route"]
+        assert r["out"] == 0.0 and r["x_grad"] == 0.0 and r["param_grad"] == 0.0, r
+
+
+@pytest.mark.skipif(not HAS_GROUPED_MLP, reason="megatron-core >= 0.17 has no legacy GroupedMLP")
+def test_beside_mindspeeds_grouped_experts_the_wing_leaves_them_alone():
+    """MindSpeed's --moe-grouped-gemm puts its own class in GroupedMLP's place (tests/fakes/mindspeed_patches.py):
+    the wing takes no experts forward over (neither MindSpeed's nor Megatron's) and a layer with MindSpeed's
+    experts keeps Megatron's dispatcher, naming MindSpeed's feature."""
+    import types
+
+    from megatron.core.transformer.moe import experts, moe_layer
+
+    from coc_inject import job, mindspeed
+    from coc_inject.config import CocConfig
+    from coc_inject.moe import guards
+    from coc_inject.moe import install as moe_install
+    from tests.fakes import mindspeed_patches as fake
+
+    megatrons = experts.GroupedMLP
+    forward = megatrons.__dict__["forward"]
+    applied = fake.Applied()
+    job.uninstall()
+    mindspeed.forget()
+    try:
+        fake.grouped_gemm(applied)
+        replaced = experts.GroupedMLP
+        assert replaced is not megatrons
+        replaced_forward = replaced.__dict__["forward"]
+        moe_install.install(CocConfig(moe_overlap="1"), moe_layer)
+        assert replaced.__dict__["forward"] is replaced_forward and megatrons.__dict__["forward"] is forward
+        layer = types.SimpleNamespace(token_dispatcher=None, experts=object.__new__(replaced))
+        assert "MindSpeed's --moe-grouped-gemm" in guards.layer_reason(layer)
+    finally:
+        job.uninstall()
+        applied.undo()
+        mindspeed.forget()
+    assert experts.GroupedMLP is megatrons and megatrons.__dict__["forward"] is forward

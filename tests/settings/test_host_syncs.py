@@ -33,6 +33,9 @@ ALLOWED = [
     ("selftest/", "*", "*", NOT_IN_A_JOB, "coc-inject selftest compares against its truth"),
     ("testbed/cpu.py", "gloo_split_lists.all_to_all_single", "tolist", NOT_IN_A_JOB,
      "the test bed's CPU ranks: gloo takes split sizes as lists"),
+    ("testbed/grouped_gemm.py", "*", "*", NOT_IN_A_JOB,
+     "the test bed's CPU stand-in of the grouped_gemm kernel (tests, the bench's CPU ranks): its batch sizes are a "
+     "host tensor by the kernel's contract"),
     ("timer.py", "synchronize", "synchronize", PER_SHAPE,
      "the timer: auto's timed trials (at a shape's first call), the bench, self-test and tune"),
     ("measure/exposure.py", "Exposure.finish", "synchronize", PER_PROCESS,

@@ -1,10 +1,14 @@
 """``coc-inject bench --cases moe``: one MoE layer forward + backward at expert parallelism EP
-(alltoall dispatcher, SequentialMLP experts, top-k): Megatron's dispatcher, the pieces at each chunk
-count per local expert that auto tries, auto, and the compute-only twin (the tokens' all-to-alls no-ops) -- C, M, the limit max(C, M), each variant's
+(alltoall dispatcher, SequentialMLP experts, or with ``--grouped`` the legacy GroupedMLP, top-k):
+Megatron's dispatcher, the pieces at each chunk count per local expert (grouped: each piece a chunk of
+every local expert's rows, one grouped GEMM) that auto tries, auto, and the compute-only twin (the tokens' all-to-alls no-ops) -- C, M, the limit max(C, M), each variant's
 share of it and of M hidden (coc_inject.bench.report), auto against the best fixed count. On CPU
 ranks, Megatron's MoE code needs the CPU shims of coc_inject.testbed.cpu (never applied in a user's job).
 
-    coc-inject bench --cases moe [--link 1gbit] [--ep 2] [--local-experts 1 2 4] [--reps 5]
+    coc-inject bench --cases moe [--link 1gbit] [--ep 2] [--local-experts 1 2 4] [--reps 5] [--grouped]
+
+``--grouped`` needs a megatron-core with the legacy GroupedMLP (0.12 to 0.16); on CPU ranks its
+grouped_gemm kernel is the test bed's stand-in (coc_inject.testbed.grouped_gemm).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ def rank_work(args, device) -> list | None:
 
     if device.type == "cpu":
         cpu_moe_shims()
+        if args.grouped:
+            from coc_inject.testbed import grouped_gemm
+
+            grouped_gemm.install()
     ep = dist.get_world_size()
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
@@ -45,7 +53,8 @@ def rank_work(args, device) -> list | None:
     with tempfile.TemporaryDirectory() as scratch:
         for local in args.local_experts:
             torch.manual_seed(1234 + dist.get_rank())
-            layer = build_moe_layer(args.moe_hidden, args.moe_ffn, local * ep, args.moe_topk, ep).to(device)
+            layer = build_moe_layer(args.moe_hidden, args.moe_ffn, local * ep, args.moe_topk, ep,
+                                    grouped=args.grouped).to(device)
             x = torch.randn(args.moe_tokens, 1, args.moe_hidden, device=device)
             auto_choice = [None]
 
@@ -77,19 +86,21 @@ def rank_work(args, device) -> list | None:
                                       label=f"{local} local: ")
             decision = auto_choice[0]
             results.append(summarize(local, ep, args.moe_topk, {n: report.totals(t) for n, t in times.items()},
-                                     None if decision is None else decision.choice))
+                                     None if decision is None else decision.choice, type(layer.experts).__name__))
     if dist.get_rank() != 0:
         return None
     sys.stderr.write("\n")
     return results
 
 
-def summarize(local: int, ep: int, topk: int, samples: dict, auto_chunks) -> dict:
+def summarize(local: int, ep: int, topk: int, samples: dict, auto_chunks, experts: str = "SequentialMLP") -> dict:
     """The report's overlap figures of one case, and auto against the best fixed count."""
     case = report.overlap(samples)
     rows = case["rows"]
     best = max((n for n in rows if n.startswith("pieces")), key=lambda n: rows[n]["vs_megatron"])
-    return {"label": f"EP{ep}, {local} local expert{'s' if local > 1 else ''}, top-{topk}", "local_experts": local,
+    kind = "" if experts == "SequentialMLP" else f" ({experts})"
+    return {"label": f"EP{ep}, {local} local expert{'s' if local > 1 else ''}{kind}, top-{topk}", "local_experts": local,
+            "experts": experts,
             **case, "best_fixed": best, "auto_chunks": auto_chunks,
             "auto_vs_best": rows["auto"]["ms"] and rows[best]["ms"] / rows["auto"]["ms"]}
 
@@ -111,6 +122,9 @@ def add_options(parser) -> None:
     group.add_argument("--moe-ffn", type=int, default=768, help="expert FFN size (default 768: the experts' compute "
                        "and their all-to-alls of the same order over the emulated 1 gbit link, one thread per rank)")
     group.add_argument("--moe-topk", type=int, default=2)
+    group.add_argument("--grouped", action="store_true",
+                       help="the legacy GroupedMLP experts (megatron-core 0.12 to 0.16; CPU ranks: the test bed's "
+                       "grouped_gemm stand-in): a piece is a chunk of every local expert's rows, one grouped GEMM")
 
 
 def bench(args) -> int:
@@ -120,7 +134,8 @@ def bench(args) -> int:
     results = ranks.run(setup, rank_work, args)
     if results is None:
         return 0  # not rank 0 of a torchrun job
-    title = (f"one MoE layer forward + backward, {args.moe_tokens} tokens per rank, hidden {args.moe_hidden}, "
+    title = (f"one MoE layer forward + backward{' (GroupedMLP experts)' if args.grouped else ''}, "
+             f"{args.moe_tokens} tokens per rank, hidden {args.moe_hidden}, "
              f"ffn {args.moe_ffn}, top-{args.moe_topk}; {ranks.describe_where(setup)}; {args.reps} interleaved "
              "repetitions")
     print(title)
