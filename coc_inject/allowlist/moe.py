@@ -1,7 +1,8 @@
 """The MoE pieces' rows: Megatron's ``alltoall`` dispatcher's dispatch and combine cut into pieces
-around ``SequentialMLP``'s local experts or the legacy ``GroupedMLP`` (moe/guards.py also checks the layer's dispatcher and
-experts classes, EP 1 and inference per layer or call). Routing, permutation, the shared expert, the
-aux losses and recompute run as Megatron wrote them; the attention and the dense layers are irrelevant.
+around ``SequentialMLP``'s local experts or grouped experts (``GroupedMLP``, ``TEGroupedMLP``; moe/guards.py
+also checks the layer's dispatcher and experts classes, EP 1 and inference per layer or call). Routing,
+permutation, the shared expert, the aux losses and recompute run as Megatron wrote them; the attention and
+the dense layers are irrelevant.
 """
 
 from __future__ import annotations
@@ -45,12 +46,13 @@ FLEX_DETAILS = supported(
     "moe_ncclep_zero_copy", "moe_expert_rank_capacity_factor")
 
 GROUPED = supported(
-    "grouped experts: the legacy GroupedMLP (the local spec, 0.12 to 0.16) runs as pieces, each a chunk of every "
-    "local expert's rows in one grouped GEMM (moe/grouped.py; tests/moe/test_moe_grouped.py); TEGroupedMLP (the "
-    "Transformer Engine spec) runs Megatron's dispatcher, its class refused by moe/guards.py with the reason",
+    "grouped experts run as pieces, each a chunk of every local expert's rows in one call of the experts' forward "
+    "(moe/grouped.py; tests/moe/test_moe_grouped.py): the legacy GroupedMLP (the local spec, 0.12 to 0.16; one "
+    "grouped GEMM, against a CPU stand-in of grouped_gemm) and TEGroupedMLP by its interface (against stand-ins of "
+    "Transformer Engine's grouped linears, never TE itself; its op-fuser path refused by moe/guards.py)",
     "moe_grouped_gemm", "moe_use_legacy_grouped_gemm")
 GROUPED_DETAILS = supported(
-    "read only by TEGroupedMLP (refused by its class, moe/guards.py)",
+    "read only inside TEGroupedMLP's grouped linears: the pieces call its forward as Megatron's dispatcher does",
     "moe_single_grouped_weight", "moe_single_grouped_bias")
 
 # The feature each reason names (moe/guards.py's deny-list before the allow-list, same words).

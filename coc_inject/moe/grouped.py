@@ -1,5 +1,6 @@
 """A piece on grouped experts: one call of Megatron's own grouped-experts forward (``GroupedMLP``: one
-grouped GEMM per linear for all local experts) on the piece's rows, put in the order Megatron hands it.
+grouped GEMM per linear for all local experts; ``TEGroupedMLP``: one TE grouped linear per linear) on the
+piece's rows, put in the order Megatron hands it.
 
 A grouped piece (layout.grouped_pieces) receives chunk ``c`` of every local expert's rows rank-major
 (TP rank, EP rank, local expert); Megatron's dispatcher gives the experts their rows expert-major
@@ -18,7 +19,8 @@ import torch
 
 # The experts classes whose forward takes (rows expert-major, rows per local expert, probs) and runs all
 # local experts in one call: the pieces call it once per piece (guards.EXPERTS lists them beside SequentialMLP).
-CLASSES = ("GroupedMLP",)
+# TEGroupedMLP by that interface: its grouped linears are Transformer Engine's, run here only as stand-ins.
+CLASSES = ("GroupedMLP", "TEGroupedMLP")
 
 
 def is_grouped(experts) -> bool:

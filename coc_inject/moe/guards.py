@@ -1,9 +1,10 @@
 """Does an MoE layer's call run as pieces? Each guard names what runs on Megatron's path, and why.
 
 The pieces replace the dispatcher's all-to-alls and the local experts' loop of Megatron's
-``alltoall`` dispatcher with ``SequentialMLP`` experts (a piece: one local expert's chunk) or the
-legacy ``GroupedMLP`` (a piece: a chunk of every local expert's rows, one grouped GEMM); whatever else
-Megatron does around them (routing, permutation, the shared expert, recompute, the aux losses) runs as Megatron wrote it.
+``alltoall`` dispatcher with ``SequentialMLP`` experts (a piece: one local expert's chunk) or grouped
+experts, the legacy ``GroupedMLP`` or ``TEGroupedMLP`` (a piece: a chunk of every local expert's rows, one
+call of their forward); whatever else Megatron does around them (routing, permutation, the shared expert,
+recompute, the aux losses) runs as Megatron wrote it.
 The layer's config is checked first against the MoE pieces' allow-list (coc_inject/allowlist/moe.py).
 """
 
@@ -13,19 +14,16 @@ from coc_inject import mindspeed
 from coc_inject.allowlist import check
 
 # What status names as running on Megatron's path (the reasons below, briefly).
-WITHOUT_PIECES = ("the allgather and flex dispatchers", "Transformer Engine experts (TEGroupedMLP)", "EP 1", "FP8 / FP4",
+WITHOUT_PIECES = ("the allgather and flex dispatchers", "TEGroupedMLP's fused op-fuser path", "EP 1", "FP8 / FP4",
                   "permute fusion", "padding to capacity", "Megatron's own EP or shared-expert overlap",
                   "CUDA graphs", "inference mode", "megatron-core 0.12 (no dispatcher stages to take over)",
                   "a setting the allow-list refuses or does not classify (docs/settings-allowlist.md)")
 
 # The layer's own objects the pieces run (an allow-list: any other runs Megatron's dispatcher, with the reason).
 DISPATCHERS = ("MoEAlltoAllTokenDispatcher",)  # Megatron's class also behind multi-copy's per-copy dispatcher
-EXPERTS = ("SequentialMLP", "GroupedMLP")  # GroupedMLP: moe/grouped.py (one call of its forward per piece)
-_NOT_EXPERTS = {  # why a known experts class is not among EXPERTS
-    "TEGroupedMLP": "TEGroupedMLP experts (Transformer Engine's grouped linears): not run as pieces; Transformer "
-                    "Engine cannot be built or run where coc-inject is tested (CUDA only), so pieces on it would be "
-                    "untested (the legacy GroupedMLP, --moe-grouped-gemm with the local spec, runs as pieces)",
-}
+# GroupedMLP, TEGroupedMLP: moe/grouped.py (one call of its forward per piece; TEGroupedMLP by that interface,
+# tested against stand-ins of Transformer Engine's grouped linears only).
+EXPERTS = ("SequentialMLP", "GroupedMLP", "TEGroupedMLP")
 _NOT_PIECES = {  # why a known dispatcher class is not among DISPATCHERS
     "MoEAllGatherTokenDispatcher": "the allgather dispatcher: it moves every token to every rank (nothing to cut "
                                    "per expert)",
@@ -39,7 +37,7 @@ LAYER_READS = ("config", "token_dispatcher", "experts")
 DISPATCHER_READS = ("config", "ep_size", "tp_size", "tp_rank", "num_local_experts", "local_expert_indices",
                     "ep_group", "tp_group", "tp_ep_group", "preprocess", "_maybe_dtoh_and_synchronize")
 EXPERTS_READS = ("config", "local_experts")
-GROUPED_EXPERTS_READS = ("config", "num_local_experts", "forward")  # GroupedMLP (moe/grouped.py)
+GROUPED_EXPERTS_READS = ("config", "num_local_experts", "forward")  # GroupedMLP, TEGroupedMLP (moe/grouped.py)
 
 
 def layer_reason(layer) -> str | None:
@@ -62,8 +60,12 @@ def layer_reason(layer) -> str | None:
         return _NOT_PIECES.get(kind, f"an unknown token dispatcher ({kind})")
     experts = type(getattr(layer, "experts", None)).__name__
     if experts not in EXPERTS:
-        return _NOT_EXPERTS.get(experts, f"{experts} experts: pieces need {' or '.join(EXPERTS)}")
-    missing = (_missing(dispatcher, DISPATCHER_READS) or _missing(layer.experts, GROUPED_EXPERTS_READS if experts == "GroupedMLP" else EXPERTS_READS)
+        return f"{experts} experts: pieces need {' or '.join(EXPERTS)}"
+    if getattr(layer.experts, "_with_fused_impl", False):
+        return ("TEGroupedMLP's fused path (use_transformer_engine_op_fuser: Transformer Engine's op fuser over "
+                "device-side counts and output buffers): not run as pieces")
+    missing = (_missing(dispatcher, DISPATCHER_READS)
+               or _missing(layer.experts, EXPERTS_READS if experts == "SequentialMLP" else GROUPED_EXPERTS_READS)
                or missing_stages(layer))
     if missing is not None:
         return missing

@@ -59,12 +59,12 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
 
 def _experts_classes(experts_module) -> list:
     """The experts classes whose forward runs the pieces on 0.13 to 0.15: SequentialMLP, and the legacy
-    GroupedMLP where the release has it and MindSpeed did not put its own grouped experts there (guards
+    GroupedMLP and TEGroupedMLP where MindSpeed did not put its own grouped experts there (guards
     send a layer with MindSpeed's class to Megatron's path, naming MindSpeed's feature)."""
     classes = [experts_module.SequentialMLP]
-    if hasattr(experts_module, "GroupedMLP") and mindspeed.attribute_feature(
-            experts_module, "GroupedMLP", mindspeed.MOE) is None:
-        classes.append(experts_module.GroupedMLP)
+    for name in ("GroupedMLP", "TEGroupedMLP"):
+        if hasattr(experts_module, name) and mindspeed.attribute_feature(experts_module, name, mindspeed.MOE) is None:
+            classes.append(getattr(experts_module, name))
     return classes
 
 

@@ -201,8 +201,8 @@ SETTINGS = (
             agreed=WHEN_SET, arms=UNLESS_OFF),
     Setting("COC_MOE_OVERLAP", "moe_overlap", OffOnAuto(MOE_OVERLAP_ALLOWED), "0",
             "MoE: the expert-parallel all-to-all of Megatron's alltoall token dispatcher cut into pieces (one per "
-            "local expert, an expert's rows cut further where a rank has fewer than 8; with the legacy GroupedMLP, 8 "
-            "pieces each a chunk of every local expert's rows in one grouped GEMM) and pipelined against the "
+            "local expert, an expert's rows cut further where a rank has fewer than 8; with grouped experts (GroupedMLP, "
+            "TEGroupedMLP), 8 pieces each a chunk of every local expert's rows in one call of their forward) and pipelined against the "
             "local experts' compute, forward and backward; results as Megatron's. auto: pieces or Megatron's "
             "dispatcher, as the layer's trials find fastest. Arms coc-inject on its own.",
             flag="--moe-alltoall-overlap-comm", agreed=WHEN_SET, arms=UNLESS_OFF),

@@ -115,7 +115,8 @@ def seed_parameters(module, local_experts: int) -> None:
             head, _, rest = name.partition(".local_experts.")
             index, _, tail = rest.partition(".")
             name = f"{head}.experts.{first + int(index)}.{tail}"
-        elif name.startswith("experts.weight") or ".experts.weight" in name:  # GroupedMLP: all local experts'
+        elif name.startswith(("experts.weight", "experts.linear_fc")) or ".experts.weight" in name:
+            # GroupedMLP's weights (all local experts'), TEGroupedMLP's weight{i}: seeded per EP rank
             name = f"{name}.ep{parallel_state.get_expert_model_parallel_rank()}"
         generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         with torch.no_grad():
@@ -135,14 +136,24 @@ def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, **e
     return TransformerConfig(**{**settings, **extra})
 
 
-def build_layer(grouped=False, **kwargs):
+def build_layer(grouped=False, te_grouped=False, **kwargs):
     """Megatron's MoE layer of the local spec: SequentialMLP experts, or with ``grouped`` the legacy
-    GroupedMLP (``--moe-grouped-gemm``; its grouped_gemm extension: tests/fakes/grouped_gemm.py)."""
+    GroupedMLP (``--moe-grouped-gemm``; its grouped_gemm extension: tests/fakes/grouped_gemm.py), or with
+    ``te_grouped`` Megatron's TEGroupedMLP over stand-ins of TE's grouped linears (tests/fakes/te_grouped_linear.py;
+    megatron-core 0.17+, whose specs are builders)."""
+    import dataclasses
+    import functools
+
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    config = moe_config(**kwargs, **({"moe_grouped_gemm": True} if grouped else {}))
+    config = moe_config(**kwargs, **({"moe_grouped_gemm": True} if grouped or te_grouped else {}))
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped).submodules.mlp
+    if te_grouped:
+        from tests.fakes import te_grouped_linear
+
+        submodules = dataclasses.replace(spec.keywords["submodules"], experts=te_grouped_linear.experts_builder())
+        spec = functools.partial(spec.func, submodules=submodules)
     layer = spec(config=config) if callable(spec) else build_module(spec, config=config)  # 0.13-0.15: a ModuleSpec
     seed_parameters(layer, layer.num_local_experts)
     return layer
@@ -376,8 +387,12 @@ def refusal_reasons() -> dict:
         setattr(layer.config, attribute, "e4m3" if attribute == "fp8" else True)
         reasons[attribute] = guards.layer_reason(layer)
     layer = build_layer()
-    layer.experts = named("TEGroupedMLP")
-    reasons["TEGroupedMLP"] = guards.layer_reason(layer)
+    layer.experts = named("InferenceGroupedMLP")  # 0.19's inference experts (a TEGroupedMLP subclass)
+    reasons["other experts"] = guards.layer_reason(layer)
+    if hasattr(layer.config, "use_transformer_engine_op_fuser"):  # 0.17+: TEGroupedMLP's fused path
+        layer = build_layer(te_grouped=True)
+        layer.experts._with_fused_impl = True
+        reasons["TE op fuser"] = guards.layer_reason(layer)
     layer.token_dispatcher = named("MoEFlexTokenDispatcher")
     reasons["flex"] = guards.layer_reason(layer)
     reasons["alltoall + SequentialMLP"] = guards.layer_reason(build_layer())

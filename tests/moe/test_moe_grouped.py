@@ -1,10 +1,10 @@
-"""COC_MOE_OVERLAP on Megatron's legacy grouped experts (``GroupedMLP``, ``--moe-grouped-gemm`` with the
+"""COC_MOE_OVERLAP on Megatron's grouped experts: the legacy ``GroupedMLP`` (``--moe-grouped-gemm`` with the
 local spec; megatron-core 0.12 to 0.16), its ``grouped_gemm`` extension the CPU stand-in of
-tests/fakes/grouped_gemm.py: a piece is a chunk of every local expert's rows, run as one call of
-``GroupedMLP.forward`` (one grouped GEMM per linear). Output, input gradient and the weights'
-gradients against the same layer on Megatron's dispatcher, on gloo ranks; the all-to-alls in one order
-on every rank; auto over it. megatron-core 0.17+ has no GroupedMLP (TEGroupedMLP only: Transformer
-Engine, not buildable here): the layer cases skip there, saying so."""
+tests/fakes/grouped_gemm.py, and ``TEGroupedMLP`` (the TE spec; 0.17+ has only it) by its interface, over
+stand-ins of Transformer Engine's grouped linears (tests/fakes/te_grouped_linear.py; never against TE
+itself). A piece is a chunk of every local expert's rows, run as one call of the experts' own forward.
+Output, input gradient and the weights' gradients against the same layer on Megatron's dispatcher, on
+gloo ranks; the all-to-alls in one order on every rank; auto over it."""
 
 import pytest
 import torch
@@ -17,6 +17,10 @@ from tests.moe.test_moe import check_order
 MEGATRON = release(importable().version)
 HAS_GROUPED_MLP = MEGATRON < (0, 17)
 BF16_ONLY = MEGATRON >= (0, 16)  # 0.16's GroupedMLP.forward asserts config.bf16
+TE_BUILDERS = MEGATRON >= (0, 17)  # TEGroupedMLP built from a builder (its constructor's arguments as 0.17+ pass them)
+needs_te_builders = pytest.mark.skipif(not TE_BUILDERS, reason=(
+    "TEGroupedMLP by its interface is tested on 0.17+ (experts built from a builder, pg_collection); older releases "
+    "build it with other arguments: the legacy GroupedMLP's cases run there"))
 STAGES = MEGATRON >= (0, 13)  # 0.12: whatever its permutation stages take over (tests/moe/test_moe.py)
 needs_grouped = pytest.mark.skipif(not (HAS_GROUPED_MLP and STAGES), reason=(
     "megatron-core >= 0.17 has no legacy GroupedMLP (TEGroupedMLP only)" if not HAS_GROUPED_MLP
@@ -176,3 +180,27 @@ def test_beside_mindspeeds_grouped_experts_the_wing_leaves_them_alone():
         applied.undo()
         mindspeed.forget()
     assert experts.GroupedMLP is megatrons and megatrons.__dict__["forward"] is forward
+
+
+@needs_te_builders
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("ep,experts,topk,etp", [(2, 4, 2, 1), (2, 4, 2, 2)], ids=["ep2-2local-top2", "ep2-etp2-2local-top2"])
+def test_te_grouped_pieces_equal_megatron_by_interface(pool, ep, experts, topk, etp, dtype):
+    """TEGroupedMLP's own forward per piece, over the grouped-linear stand-ins: every linear call's m_splits a
+    list of ints summing to its rows (the stand-in checks), results as Megatron's dispatcher's."""
+    results = pool.run("tests.moe.moe_cases:layer_case", te_grouped=True, ep=ep, experts=experts, topk=topk, etp=etp,
+                       **dtype_settings(dtype))
+    check_close(results, 8, dtype)
+    if etp == 1:
+        check_order(results, 8)
+
+
+@needs_te_builders
+def test_auto_over_te_grouped_experts(pool):
+    results = pool.run("tests.moe.moe_cases:auto_case", te_grouped=True, ep=2, experts=4)
+    for group in ((0, 1), (2, 3)):
+        decisions = [results[rank]["decisions"] for rank in group]
+        assert len(decisions[0]) == 1 and decisions[1] == decisions[0] and "grouped experts" in decisions[0][0][0]
+        choice = decisions[0][0][1]
+        if choice != "megatron":
+            check_close([results[rank] for rank in group], choice, "fp32")
