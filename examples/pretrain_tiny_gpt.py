@@ -28,6 +28,7 @@ machine; they are part of this example's platform setup only.
 """
 
 import argparse
+import inspect
 import json
 import statistics
 import time
@@ -129,6 +130,8 @@ def parse_args():
                         help="MoE: the experts' TP (Megatron's default: the TP size; 1: EP may span TP ranks)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="default: the world size / the context-parallel size; the rest is data parallel")
+    parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                        help="no biases in the linears (megatron-core 0.12 and 0.13 refuse them in MoE layers)")
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes losses and step times here")
     return parser.parse_args()
 
@@ -157,6 +160,7 @@ def build_model(args, tp_size):
         # No dropout: deterministic runs.
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        add_bias_linear=args.add_bias_linear,
         **moe_settings(args),
     )
     layer_spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
@@ -217,6 +221,9 @@ def cpu_moe_shims():
             return Event()
 
         def wait_stream(self, *args, **kwargs):
+            pass
+
+        def synchronize(self):  # megatron-core 0.12 waits on the side stream itself
             pass
 
     torch.cuda.Stream = Stream
@@ -303,7 +310,10 @@ def main():
     # state. The tracker only matters for dropout, which is 0 here, so use Megatron's no-op
     # tracker (fork() is a nullcontext).
     torch.manual_seed(args.seed)
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    if "force_reset" in inspect.signature(tp_random.initialize_rng_tracker).parameters:
+        tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    else:  # megatron-core 0.12: no force_reset, and nothing initialised it yet in this process
+        tp_random.initialize_rng_tracker(inference_rng_tracker=True)
 
     model = build_model(args, tp_size)
     seed_experts(model, args)

@@ -10,13 +10,13 @@ The layer's config is checked first against the MoE pieces' allow-list (coc_inje
 
 from __future__ import annotations
 
-from coc_inject import mindspeed
+from coc_inject import megatron_version, mindspeed
 from coc_inject.allowlist import check
 
 # What status names as running on Megatron's path (the reasons below, briefly).
 WITHOUT_PIECES = ("the allgather and flex dispatchers", "TEGroupedMLP's fused op-fuser path", "EP 1", "FP8 / FP4",
                   "permute fusion", "padding to capacity", "Megatron's own EP or shared-expert overlap",
-                  "CUDA graphs", "inference mode", "megatron-core 0.12 (no dispatcher stages to take over)",
+                  "CUDA graphs", "inference mode",
                   "a setting the allow-list refuses or does not classify (docs/settings-allowlist.md)")
 
 # The layer's own objects the pieces run (an allow-list: any other runs Megatron's dispatcher, with the reason).
@@ -95,9 +95,16 @@ def call_reason(layer) -> str | None:
     return None
 
 
-# The stages the pieces take over (stages.py): the layer's (0.16+) or the dispatcher's (0.13 to 0.15).
+# The stages the pieces take over (stages.py): the layer's (0.16+) or the dispatcher's (0.13 to 0.15); on
+# 0.12 the dispatcher's two methods, restated around the pieces for that release only (permutation_stages.py).
 LAYER_STAGES = ("dispatch", "routed_experts_compute", "combine")
 DISPATCHER_STAGES = ("token_dispatch", "dispatch_postprocess", "combine_preprocess", "token_combine")
+PERMUTATION_STAGES = ("token_permutation", "token_unpermutation")
+PERMUTATION_RELEASE = (0, 12)
+PERMUTATION_MODULE = "megatron.core.transformer.moe.token_dispatcher"
+# What permutation_stages.py reads of 0.12's dispatcher beyond DISPATCHER_READS (set by its __init__).
+PERMUTATION_READS = ("preprocess", "drop_and_pad", "shared_experts", "sort_input_by_local_experts",
+                     "restore_output_by_local_experts", "num_experts")
 
 
 def missing_stages(layer) -> str | None:
@@ -108,6 +115,21 @@ def missing_stages(layer) -> str | None:
     absent = [name for name in DISPATCHER_STAGES if not hasattr(dispatcher, name)]
     if not absent:
         return None
+    unpinned = permutation_reason(dispatcher.__class__, dispatcher)
+    if unpinned is None:
+        return None
     return (f"{type(dispatcher).__name__} has no {', '.join(absent)} and {type(layer).__name__} no "
-            f"{' / '.join(LAYER_STAGES)} (megatron-core 0.12's token_permutation does the dispatch in one call): "
-            "no stage for the pieces to take over")
+            f"{' / '.join(LAYER_STAGES)}, and {unpinned}: no stage for the pieces to take over")
+
+
+def permutation_reason(dispatcher_class, dispatcher=None) -> str | None:
+    """Why 0.12's token_permutation / token_unpermutation are not taken over for this dispatcher (class);
+    None: its class is 0.12's own, in a megatron-core 0.12 (permutation_stages.py restates its lines)."""
+    found = megatron_version.release(megatron_version.imported().version)
+    where = f"{dispatcher_class.__module__}.{dispatcher_class.__name__}"
+    if (found != PERMUTATION_RELEASE or where != f"{PERMUTATION_MODULE}.MoEAlltoAllTokenDispatcher"
+            or not all(name in vars(dispatcher_class) for name in PERMUTATION_STAGES)):
+        release = ".".join(map(str, found)) if found else "unknown"
+        return (f"its {' / '.join(PERMUTATION_STAGES)} are taken over only as megatron-core 0.12's own "
+                f"MoEAlltoAllTokenDispatcher wrote them ({where}, megatron-core {release})")
+    return None if dispatcher is None else _missing(dispatcher, PERMUTATION_READS)

@@ -10,7 +10,7 @@ dispatcher's two all-to-alls and the experts' loop move into one call in the exp
 from __future__ import annotations
 
 from coc_inject import job, mindspeed
-from coc_inject.moe import calls, stages
+from coc_inject.moe import calls, permutation_stages, stages
 
 
 def install(config, moe_layer_module, chunks: int | None = None) -> None:
@@ -51,14 +51,17 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
     elif stages.has_dispatcher_stages(dispatcher, _experts_classes(experts)):
         taken = _experts_classes(experts)
         megatron_middle = stages.install_dispatcher_stages(patches, dispatcher, taken)
-    else:  # no stage to take over (0.12): every layer runs Megatron's dispatcher (guards.layer_reason says why)
+    elif permutation_stages.has_permutation_stages(dispatcher):  # 0.12: token_permutation / token_unpermutation
+        taken = _experts_classes(experts)
+        megatron_middle = permutation_stages.install(patches, dispatcher, taken)
+    else:  # no stage to take over: every layer runs Megatron's dispatcher (guards.layer_reason says why)
         megatron_middle = None
     original_forward = patches.original(layer, "forward")
     patches.patch(layer, "forward", calls.layer_forward(installation, original_forward, chunks, megatron_middle, taken))
 
 
 def _experts_classes(experts_module) -> list:
-    """The experts classes whose forward runs the pieces on 0.13 to 0.15: SequentialMLP, and the legacy
+    """The experts classes whose forward runs the pieces on 0.12 to 0.15: SequentialMLP, and the legacy
     GroupedMLP and TEGroupedMLP where MindSpeed did not put its own grouped experts there (guards
     send a layer with MindSpeed's class to Megatron's path, naming MindSpeed's feature)."""
     classes = [experts_module.SequentialMLP]

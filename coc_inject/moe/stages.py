@@ -10,8 +10,9 @@ releases (0.13 to 0.15) have no such layer methods: the dispatcher's ``token_dis
 ``dispatch_postprocess`` pass the rows on, the experts' forward (``SequentialMLP``'s, and the legacy
 ``GroupedMLP``'s where Megatron's own class is in place) runs the pieces,
 ``combine_preprocess`` / ``token_combine`` pass the combined rows on. A release with neither
-(0.12: the dispatcher's ``token_permutation`` / ``token_unpermutation`` do it all) is not wrapped:
-its MoE layers run Megatron's dispatcher, with guards.missing_stages()'s reason.
+(0.12: the dispatcher's ``token_permutation`` / ``token_unpermutation`` do it all) has those two
+methods taken over by permutation_stages.py, for 0.12's own dispatcher only; any other layer without
+stages runs Megatron's dispatcher, with guards.missing_stages()'s reason.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from coc_inject.megatron_version import importable, release
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from launch import SITE, clean_env, torchrun  # noqa: E402
@@ -89,3 +91,30 @@ def test_status_says_what_moe_overlap_does(setting, words):
                           env=clean_env(COC_MOE_OVERLAP=setting))
     line = next(line for line in proc.stdout.splitlines() if line.startswith("MoE "))
     assert words in line and (setting == "0" or "the allgather and flex dispatchers" in line), line
+
+
+# MindSpeed-LLM's shape (issue 42): TP 2 with sequence parallelism x EP 2 (expert TP 1: the EP group spans
+# the TP ranks), the local spec, the alltoall dispatcher. make test runs it on 0.12.1 too, MindSpeed's release,
+# where the pieces take over its dispatcher's token_permutation / token_unpermutation.
+TP_SP_EP = [*ARGS[:-2], "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+            "--disable-bias-linear"]
+
+
+@pytest.mark.skipif(release(importable().version) != (0, 12),
+                    reason="megatron-core 0.12 (MindSpeed's) only: test_moe's GPT cases run TP 2 SP x EP 2 elsewhere "
+                           "(make test budget)")
+def test_tp2_sp_by_ep2_trains_as_off_with_the_moe_layers_in_pieces(tmp_path):
+    losses = {}
+    for name, env in (("off", clean_env()),
+                      ("pieces", clean_env(PYTHONPATH=str(SITE), COC_MOE_OVERLAP="1", COC_TUNE_CACHE="off",
+                                           COC_REPORT=str(tmp_path / "pieces_{rank}.json")))):
+        proc = torchrun(SCRIPT, [*TP_SP_EP, "--json", str(tmp_path / f"{name}.json")], env, tmp_path)
+        assert proc.returncode == 0, f"{name} failed:\n{proc.stderr[-4000:]}"
+        losses[name] = json.loads((tmp_path / f"{name}.json").read_text())["losses"]
+    got, want = losses["pieces"], losses["off"]
+    assert len(got) == STEPS and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want)), (got, want)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"pieces_{rank}.json").read_text())
+        layers = [(layer["name"], layer["pieces"], layer["chunks"], layer["reason"], layer["calls"])
+                  for layer in report["layers"] if layer["route"] == "moe"]
+        assert layers == [(f"decoder.layers.{i}.mlp", 8, 4, None, STEPS) for i in range(2)], layers

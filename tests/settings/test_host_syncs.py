@@ -51,6 +51,9 @@ ALLOWED = [
      "the host clock's in-flight times and their MIN over the group: CPU tensors, no device read"),
     ("moe/counts.py", "split", "tolist", HOST_TENSOR,
      "the host tensor Megatron's own device-to-host copy brought and its sync point waited for"),
+    ("moe/permutation_stages.py", "_megatron_middle", "tolist", HOST_TENSOR,
+     "megatron-core 0.12's own line (auto's baseline): output_splits_tp, a numpy array Megatron's device-to-host "
+     "copy brought"),
 ]
 
 def _sync_sites() -> list:

@@ -149,6 +149,26 @@ def test_the_moe_install_wraps_no_stage_a_release_lacks():
     assert not stages.has_dispatcher_stages(dispatcher, experts)
 
 
+def test_0_12s_token_permutation_is_taken_over_only_as_0_12_wrote_it(monkeypatch):
+    """permutation_stages.py restates 0.12's lines: a dispatcher class of another module, or 0.12's own
+    class name and module in another release, or one lacking what those lines read: Megatron's path."""
+    from coc_inject import megatron_version
+    from coc_inject.moe import permutation_stages
+
+    methods = {name: (lambda self, *args: args) for name in moe_guards.PERMUTATION_STAGES}
+    dispatcher = type("MoEAlltoAllTokenDispatcher", (), methods)
+    monkeypatch.setattr(megatron_version, "imported", lambda: SimpleNamespace(version="0.12.1"))
+    assert not permutation_stages.has_permutation_stages(dispatcher)  # this module's class, not Megatron's
+    assert "taken over only as megatron-core 0.12's own" in moe_guards.permutation_reason(dispatcher)
+    dispatcher.__module__ = moe_guards.PERMUTATION_MODULE
+    assert permutation_stages.has_permutation_stages(dispatcher)
+    why = moe_guards.permutation_reason(dispatcher, dispatcher())
+    assert why is not None and "has no attribute 'preprocess'" in why, why
+    monkeypatch.setattr(megatron_version, "imported", lambda: SimpleNamespace(version="0.13.1"))
+    why = moe_guards.permutation_reason(dispatcher)
+    assert why is not None and "megatron-core 0.13" in why, why
+
+
 # -- context-parallel attention (COC_FLASH_ATTN's plan on a CP = 1 layer) --------------------------------
 
 @pytest.mark.parametrize("missing", [None, *cp_forward.LAYER_READS])
