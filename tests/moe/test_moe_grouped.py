@@ -192,3 +192,11 @@ def test_auto_over_te_grouped_experts(pool):
         choice = decisions[0][0][1]
         if choice != "megatron":
             check_close([results[rank] for rank in group], choice, "fp32")
+
+
+@needs_grouped
+def test_probs_on_the_input_as_grouped_mlp_applies_them(pool):
+    """moe_apply_probs_on_input (top-1): GroupedMLP's forward scales each piece's rows by their probs itself."""
+    dtype = "bf16" if BF16_ONLY else "fp32"
+    results = run(pool, ep=2, experts=4, topk=1, moe_apply_probs_on_input=True, **dtype_settings(dtype))
+    check_close(results, 8, dtype)
