@@ -278,8 +278,10 @@ def auto_case(slow_ranks=(), **case):
     return result
 
 
-def build_gpt(*, layers=2, hidden=32, experts=4, topk=2, seq=16, vocab=64, tp=1, etp=1, ep=2, sp=False, **extra):
-    """A tiny GPT whose MLPs are MoE layers (Megatron's local spec: SequentialMLP experts)."""
+def build_gpt(*, layers=2, hidden=32, experts=4, topk=2, seq=16, vocab=64, tp=1, etp=1, ep=2, sp=False, grouped=False,
+              **extra):
+    """A tiny GPT whose MLPs are MoE layers (Megatron's local spec: SequentialMLP experts; ``grouped``: the
+    legacy GroupedMLP, --moe-grouped-gemm)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -290,8 +292,9 @@ def build_gpt(*, layers=2, hidden=32, experts=4, topk=2, seq=16, vocab=64, tp=1,
     config = moe_config(experts=experts, topk=topk, hidden=hidden, ep=ep, tp=tp, etp=etp, sp=sp,
                         **{"num_layers": layers, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                            "bias_dropout_fusion": False, "masked_softmax_fusion": False,
-                           "persist_layer_norm": False, "cross_entropy_loss_fusion": False, **extra})
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+                           "persist_layer_norm": False, "cross_entropy_loss_fusion": False,
+                           **({"moe_grouped_gemm": True} if grouped else {}), **extra})
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=grouped)
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
     block = TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=CpuLayerNorm)
     model = GPTModel(config=config, transformer_layer_spec=block, vocab_size=vocab, max_sequence_length=seq,
@@ -308,7 +311,7 @@ def _sync_gradients(model) -> None:
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
-        expert = ".local_experts." in name
+        expert = ".local_experts." in name or ".experts.weight" in name  # SequentialMLP's, GroupedMLP's
         group = (parallel_state.get_expert_data_parallel_group() if expert
                  else parallel_state.get_data_parallel_group(with_context_parallel=True))
         dist.all_reduce(param.grad, group=group)
