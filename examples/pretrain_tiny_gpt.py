@@ -130,6 +130,8 @@ def parse_args():
                         help="MoE: the experts' TP (Megatron's default: the TP size; 1: EP may span TP ranks)")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=None,
                         help="default: the world size / the context-parallel size; the rest is data parallel")
+    parser.add_argument("--moe-grouped-gemm", action="store_true",
+                        help="MoE: the legacy GroupedMLP experts (the grouped_gemm extension; megatron-core 0.12 to 0.16)")
     parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                         help="no biases in the linears (megatron-core 0.12 and 0.13 refuse them in MoE layers)")
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes losses and step times here")
@@ -163,7 +165,7 @@ def build_model(args, tp_size):
         add_bias_linear=args.add_bias_linear,
         **moe_settings(args),
     )
-    layer_spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False)
+    layer_spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm)
     layer_spec.submodules.input_layernorm = CpuLayerNorm
     layer_spec.submodules.pre_mlp_layernorm = CpuLayerNorm
     block_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * args.num_layers,
@@ -185,7 +187,7 @@ def moe_settings(args) -> dict:
                 moe_token_dispatcher_type="alltoall", expert_model_parallel_size=args.expert_model_parallel_size,
                 expert_tensor_parallel_size=args.expert_tensor_parallel_size,
                 moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
-                moe_router_pre_softmax=args.moe_router_topk == 1)
+                moe_router_pre_softmax=args.moe_router_topk == 1, moe_grouped_gemm=args.moe_grouped_gemm)
 
 
 def seed_experts(model, args):
@@ -198,9 +200,13 @@ def seed_experts(model, args):
     for name, param in model.named_parameters():
         if ".local_experts." in name:
             index = int(name.partition(".local_experts.")[2].partition(".")[0])
-            generator = torch.Generator().manual_seed(args.seed + 7919 * (first + index) + len(name))
-            with torch.no_grad():
-                param.normal_(0.0, 0.02, generator=generator)
+        elif name.endswith(("experts.weight1", "experts.weight2")):  # grouped experts: all local experts in one
+            index = 0
+        else:
+            continue
+        generator = torch.Generator().manual_seed(args.seed + 7919 * (first + index) + len(name))
+        with torch.no_grad():
+            param.normal_(0.0, 0.02, generator=generator)
 
 
 def cpu_moe_shims():
