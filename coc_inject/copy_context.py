@@ -31,7 +31,13 @@ def current_copy() -> int | None:
 def linears_chunked() -> bool:
     """May CoC chunk a tuned linear here? Not inside copies whose block chose Megatron's linears."""
     run = current()
-    return run is None or run.chunk_linears
+    return run is None or run.inner.linears
+
+
+def experts_in_pieces() -> bool:
+    """May a tuned MoE layer run as pieces here? Not inside copies whose block chose Megatron's dispatcher."""
+    run = current()
+    return run is None or run.inner.experts
 
 
 @contextlib.contextmanager

@@ -97,24 +97,52 @@ class MegatronPath(_Interned):
 # fastest: CoC stepping aside on purpose is not a "CoC did nothing" problem.
 AUTO_CHOSE_MEGATRON = "auto chose Megatron's own path"
 # Inside multi-copy's copies, COC_PARALLEL_NUM=auto's linears run Megatron's path where the block's
-# trials found the copies faster without CoC's chunks (the copies already overlap the collectives).
+# trials found the copies faster without CoC's chunks (the copies already overlap the collectives);
+# COC_MOE_OVERLAP=auto's MoE layers run Megatron's dispatcher where they found them faster without pieces.
 COPIES_CHOSE_MEGATRON = "multi-copy: the copies ran faster with Megatron's own linears inside them"
+COPIES_CHOSE_DISPATCHER = "multi-copy: the copies ran faster with Megatron's own dispatcher inside them"
+
+
+@dataclass(frozen=True)
+class Inner:
+    """What the tuned wings inside a block's copies run: their own choice (True) or Megatron's path."""
+
+    linears: bool = True  # COC_PARALLEL_NUM=auto's linears chunk
+    experts: bool = True  # COC_MOE_OVERLAP=auto's MoE layers run as pieces
+
+
+AS_SET = Inner()
+_MEGATRONS = {Inner(False, True): "linears", Inner(True, False): "dispatcher",
+              Inner(False, False): "linears and dispatcher"}
+
+
+def inside(copies: int, inner: Inner = AS_SET):
+    """COC_MULTI_COPY's choice of ``copies`` copies with ``inner``: a plain count where every tuned wing
+    inside runs as it chose, else a text naming what runs Megatron's path (cacheable, printable)."""
+    return copies if inner == AS_SET else f"{copies} copies, Megatron's {_MEGATRONS[inner]}"
 
 
 def unchunked(copies: int) -> str:
-    """COC_MULTI_COPY's choice of ``copies`` copies whose tuned linears run Megatron's path (a plain
-    count: the linears as COC_PARALLEL_NUM sets them)."""
-    return f"{copies} copies, Megatron's linears"
+    """``copies`` copies whose tuned linears run Megatron's path."""
+    return inside(copies, Inner(linears=False))
 
 
 def copies_of(choice) -> int:
-    """The copy count of a multi-copy choice (a count, or :func:`unchunked`'s text)."""
+    """The copy count of a multi-copy choice (a count, or :func:`inside`'s text)."""
     return choice if isinstance(choice, int) else int(choice.split()[0])
 
 
+def inner_of(choice) -> Inner:
+    """What the tuned wings inside a multi-copy choice's copies run (:func:`inside`'s inverse)."""
+    if isinstance(choice, int):
+        return AS_SET
+    megatrons = choice.split("Megatron's ", 1)[1]
+    return Inner(linears="linears" not in megatrons, experts="dispatcher" not in megatrons)
+
+
 def chunks_linears(choice) -> bool:
-    """Do a multi-copy choice's tuned linears keep CoC's chunks (a plain count) or not (:func:`unchunked`)?"""
-    return isinstance(choice, int)
+    """Do a multi-copy choice's tuned linears keep CoC's chunks?"""
+    return inner_of(choice).linears
 
 # Attention's algorithm when COC_FLASH_ATTN left a call to Megatron's attention.
 MEGATRON_ATTENTION = "Megatron's attention"

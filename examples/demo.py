@@ -424,8 +424,10 @@ def print_copies(report_path, extra) -> None:
     for decision in report.get("multi_copy_decisions", []):
         times = ", ".join(f"{'no copies' if c == '1' else c + ' copies' if c.isdigit() else c} {t:.1f} ms"
                           for c, t in decision["times_ms"].items())
+        megatrons = [what for what, kept in (("linears", decision["linears_chunked"]),
+                                             ("dispatcher", decision.get("experts_in_pieces", True))) if not kept]
         chose = ("no copies" if decision["copies"] == 1 else f"{decision['copies']} copies"
-                 + ("" if decision["linears_chunked"] else ", Megatron's linears"))
+                 + (f", Megatron's {' and '.join(megatrons)}" if megatrons else ""))
         print(f"   auto: {decision['key']} -> {chose} ({decision['source']}: {times})")
 
 

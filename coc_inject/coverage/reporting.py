@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 from coc_inject import log, megatron_version
-from coc_inject.routes import (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused,
-                               MegatronPath, MoERoute, chunks_linears, copies_of)
+from coc_inject.routes import (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_DISPATCHER, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused,
+                               MegatronPath, MoERoute, copies_of, inner_of)
 
 REPORT_VERSION = 1
 
@@ -146,7 +146,8 @@ def warnings(coverage) -> list:
                      "during the first step" + (" (see the reasons above)" if copies else " (no TransformerBlock "
                                                 "was called)"))
     moe = coverage.routes_of(MoERoute)
-    if config.moe_armed and not any(route.pieces or route.reason.startswith("auto:") for route in moe):
+    stepped_aside = ("auto:", COPIES_CHOSE_DISPATCHER)  # on purpose, by a trial
+    if config.moe_armed and not any(route.pieces or route.reason.startswith(stepped_aside) for route in moe):
         lines.append(f"COC_MOE_OVERLAP={config.moe_overlap} but no MoE layer call ran its all-to-alls in pieces "
                      "during the first step" + (" (see the reasons above)" if moe else " (no MoELayer was called)"))
     if config.enabled and totals[Chunked.name] + totals[Fused.name] == 0 and not auto_stepped_aside:
@@ -216,7 +217,8 @@ def report(coverage) -> dict:
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.attention_decisions().items()],
         "multi_copy_decisions": [
-            {"key": key.text(), "copies": copies_of(decision.choice), "linears_chunked": chunks_linears(decision.choice),
+            {"key": key.text(), "copies": copies_of(decision.choice), "linears_chunked": inner_of(decision.choice).linears,
+             "experts_in_pieces": inner_of(decision.choice).experts,
              "split": key.split, "source": decision.source,
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
             for key, decision in coverage.copies_decisions().items()],

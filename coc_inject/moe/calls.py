@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 
-from coc_inject import job, log, trial
+from coc_inject import copy_context, job, log, trial
 from coc_inject.moe import auto, counts, grouped, guards
 from coc_inject.moe.function import PieceRun, PipelinedExperts
-from coc_inject.routes import MoERoute
+from coc_inject.routes import COPIES_CHOSE_DISPATCHER, MoERoute
 
 # COC_MOE_OVERLAP=1 cuts each local expert's rows into chunks up to this many pieces: with P pieces a
 # layer takes about max(C, M) + min(C, M) / P, so 8 pieces reach 8/9 of the limit max(C, M) at C = M.
@@ -140,6 +140,8 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
         reason = _layer_reason(self, taken) or guards.call_reason(self)
+        if reason is None and deciding and not copy_context.experts_in_pieces():
+            reason = COPIES_CHOSE_DISPATCHER  # the block's trials found its copies faster without pieces
         call = None
         if reason is None:
             call = MoECall(installation, self, chunks or default_chunks(self), megatron_middle)
@@ -182,7 +184,7 @@ def _count(installation, layer, call, reason) -> None:
     else:
         route = MoERoute(piece_count(layer, call.chunks), call.chunks)
     layer._coc_moe = route  # this layer's last route (tests, selftest, a user poking at the model)
-    if reason is not None and reason != AUTO_CHOSE_MEGATRON:
+    if reason is not None and reason not in (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_DISPATCHER):
         log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")
     if installation.coverage is not None:
         installation.coverage.count(layer, route, None, _no_shape)

@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from coc_inject.multi_copy import block as copies_block, moe as copies_moe
-from coc_inject.routes import chunks_linears, copies_of, unchunked
+from coc_inject.routes import AS_SET, Inner, copies_of, inner_of, inside
 
 
 @dataclass(frozen=True)
@@ -68,21 +68,31 @@ class CopiesKey:
 AUTO_COPIES = (2, 4)
 
 
-def candidates(copies: int, copies_auto: bool, linears_auto: bool, rows: int, most: int | None = None) -> list:
-    """What the trials compare, the baseline first. COC_MULTI_COPY=auto: no copies, 2 or 4 copies
-    (those dividing ``rows``, at ``most`` copies where the split has a limit; the linears as set); a
-    fixed count with COC_PARALLEL_NUM=auto: the copies with CoC's chunks or with Megatron's linears; a
-    fixed count otherwise: nothing to try."""
-    if copies_auto:
-        return [1] + [n for n in AUTO_COPIES if rows % n == 0 and (most is None or n <= most)]
-    return [copies] + ([unchunked(copies)] if linears_auto else [])
+def candidates(copies: int, copies_auto: bool, linears_auto: bool, rows: int, most: int | None = None,
+               experts_auto: bool = False) -> list:
+    """What the trials compare, the baseline first. COC_MULTI_COPY=auto: no copies (every other wing as
+    set), then 2 and 4 copies (those dividing ``rows``, at ``most`` copies where the split has a limit);
+    a fixed count: that count. Each count with every tuned wing inside as it chose, and also with
+    Megatron's path instead of each tuned wing (COC_PARALLEL_NUM=auto's linears, COC_MOE_OVERLAP=auto's
+    pieces: ``experts_auto``, for a block with MoE layers) and of both: so that with every wing on auto
+    the block runs the best of the wings alone and together, never the sum of their costs (#44 item 4)."""
+    inners = [AS_SET]
+    if linears_auto:
+        inners.append(Inner(linears=False))
+    if experts_auto:
+        inners.append(Inner(experts=False))
+    if linears_auto and experts_auto:
+        inners.append(Inner(linears=False, experts=False))
+    counts = ([n for n in AUTO_COPIES if rows % n == 0 and (most is None or n <= most)] if copies_auto
+              else [copies])
+    return ([1] if copies_auto else []) + [inside(n, inner) for n in counts for inner in inners]
 
 
 def split_for(choice, split):
     """The Split a choice runs (None: no copies)."""
     if choice == 1:
         return None
-    return replace(split, copies=copies_of(choice), chunk_linears=chunks_linears(choice))
+    return replace(split, copies=copies_of(choice), inner=inner_of(choice))
 
 
 def group_of(block):

@@ -68,7 +68,7 @@ class CopiesRunner:
         """``work`` (one callable per copy) as copies taking turns inside :meth:`running`: their results.
         ``record_cuts`` / ``chunks``: where the copies record their cut points / checkpointed chunks (None: not)."""
         run = scheduler.CopyRun(self.split.copies, save=rng_state.save, restore=rng_state.restore,
-                                chunk_linears=self.split.chunk_linears)
+                                inner=self.split.inner)
         run.cuts, run.chunks = record_cuts, chunks
         with self.running():
             return run.run(work)
@@ -111,7 +111,7 @@ class CopiesRunner:
                 grad_pieces, grad_params = recompute.backward(self, pieces, outputs, grads, params)
             else:
                 grad_pieces, grad_params = segments.backward(outputs, grads, pieces, self.cuts, params,
-                                                             self.split.chunk_linears)
+                                                             self.split.inner)
         return self.join(grad_pieces), grad_params
 
 

@@ -31,6 +31,7 @@ class MultiCopy:
         self.auto = config.multi_copy == AUTO
         self.copies = auto.AUTO_COPIES[0] if self.auto else config.multi_copy  # auto: the split is checked for the fewest
         self.linears_auto = config.tunes_linears
+        self.experts_auto = config.moe_armed and config.moe_overlap == "auto"
 
     def split(self, block, original, args, kwargs) -> tuple:
         """``(Split, forward's arguments by name)`` of a block call that runs as copies, else
@@ -46,7 +47,8 @@ class MultiCopy:
         reason = copies_moe.call_reason(block, arguments)
         if reason is not None:
             return reason, None
-        choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.rows, split.most)
+        experts_auto = self.experts_auto and bool(copies_moe.moe_layers(block))
+        choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.rows, split.most, experts_auto)
         if len(choices) > 1:
             split = auto.choose(self.installation.tuner(job.MULTI_COPY), block, original, arguments, split, choices)
         return (AUTO_STEPPED_ASIDE, None) if split is None else (split, arguments)

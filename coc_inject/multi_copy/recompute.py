@@ -131,13 +131,13 @@ def _sum(a, b):
     return a if b is None else b if a is None else a + b
 
 
-def _stretch(outputs, grads, starts, stretch_cuts, params, chunk_linears):
+def _stretch(outputs, grads, starts, stretch_cuts, params, inner):
     """One stretch's backward in bands: ``outputs`` back to the leaves ``starts`` (an output that is its
     own start passes its gradient through)."""
     through = [output is start for output, start in zip(outputs, starts)]
     if all(through):
         return list(grads), [None] * len(params)
-    got, grad_params = segments.backward(outputs, grads, starts, stretch_cuts, params, chunk_linears)
+    got, grad_params = segments.backward(outputs, grads, starts, stretch_cuts, params, inner)
     return [g if same else r for same, g, r in zip(through, grads, got)], grad_params
 
 
@@ -169,7 +169,7 @@ def backward(runner, pieces, outputs, grads, params=()):
     chunks (``runner.chunks``, one list per copy, forward order): stretch by stretch (module docstring).
     Returns (each copy's input gradient, the parameters' gradients summed over the copies and
     stretches, with ``params``)."""
-    n, chunks, forward_cuts, chunk_linears = len(pieces), runner.chunks, runner.cuts, runner.split.chunk_linears
+    n, chunks, forward_cuts, inner = len(pieces), runner.chunks, runner.cuts, runner.split.inner
     grad_params = [None] * len(params)
 
     def add(more):
@@ -179,14 +179,14 @@ def backward(runner, pieces, outputs, grads, params=()):
     current, stretch_cuts = list(outputs), forward_cuts  # the forward's cuts: the last stretch's (no grad in chunks)
     for index in reversed(range(len(chunks[0]))):
         chunk = [chunks[copy][index] for copy in range(n)]
-        grads, more = _stretch(current, grads, [c.output for c in chunk], stretch_cuts, params, chunk_linears)
+        grads, more = _stretch(current, grads, [c.output for c in chunk], stretch_cuts, params, inner)
         add(more)
         inputs, recomputed, recomputed_cuts = _recompute(runner, chunk)
-        grads, more = segments.backward(recomputed, grads, inputs, recomputed_cuts, params, chunk_linears)
+        grads, more = segments.backward(recomputed, grads, inputs, recomputed_cuts, params, inner)
         add(more)
         current, stretch_cuts = [c.args[0] for c in chunk], [[] for _ in range(n)]
         for c in chunk:
             c.args = c.function = None  # the chunk's inputs go with its backward, as Megatron's do
-    grads, more = _stretch(current, grads, pieces, stretch_cuts, params, chunk_linears)
+    grads, more = _stretch(current, grads, pieces, stretch_cuts, params, inner)
     add(more)
     return grads, grad_params

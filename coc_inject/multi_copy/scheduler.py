@@ -24,6 +24,7 @@ import threading
 from typing import Callable, Sequence
 
 from coc_inject import copy_context
+from coc_inject.routes import AS_SET, Inner
 
 _ABSENT = object()  # a copy not yet at a meeting
 
@@ -37,9 +38,9 @@ class Copies:
     CoC chunks its linears, whether hand-overs are suspended, and what a collective's wait does
     (collectives.py)."""
 
-    def __init__(self, n: int, chunk_linears: bool = True):
+    def __init__(self, n: int, inner: Inner = AS_SET):
         self.n = n
-        self.chunk_linears = chunk_linears
+        self.inner = inner
         self.alone = 0  # > 0: hand-overs are suspended (alone())
         self.cuts = None  # a forward recording its cut points: one list per copy (cuts.mark)
 
@@ -94,8 +95,8 @@ class CopyRun(Copies):
     """One round of ``n`` copies taking turns; :meth:`run` returns each copy's result in order."""
 
     def __init__(self, n: int, save: Callable[[], object] | None = None, restore: Callable[[object], None] | None = None,
-                 chunk_linears: bool = True):
-        super().__init__(n, chunk_linears)
+                 inner: Inner = AS_SET):
+        super().__init__(n, inner)
         self._save, self._restore = save, restore
         self._turn = 0
         self._done = [False] * n

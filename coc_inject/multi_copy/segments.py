@@ -42,6 +42,7 @@ from coc_inject import copy_context
 from coc_inject.multi_copy import collectives
 from coc_inject.multi_copy.cuts import REDUCE
 from coc_inject.multi_copy.scheduler import Copies
+from coc_inject.routes import AS_SET, Inner
 
 _TOP = 1 << 62  # new sequence numbers count down from here (the engine compares them only within a call)
 
@@ -49,8 +50,8 @@ _TOP = 1 << 62  # new sequence numbers count down from here (the engine compares
 class Segmented(Copies):
     """The copies' backward run (what the code inside sees as copy_context.current())."""
 
-    def __init__(self, n: int, chunk_linears: bool = True):
-        super().__init__(n, chunk_linears)
+    def __init__(self, n: int, inner: Inner = AS_SET):
+        super().__init__(n, inner)
         self.deferring = None  # (kind, copy) inside a node right after a cut, else None
         self.pending = [[] for _ in range(n)]  # each copy's collectives in flight
         self.copy_of_node: dict = {}  # a renumbered node's sequence number -> its copy (renumber())
@@ -187,11 +188,11 @@ def renumber(per_copy: list) -> dict:
     return copy_of_node
 
 
-def backward(outputs: list, grad_outputs: list, pieces: list, cuts: list, params=(), chunk_linears=True):
+def backward(outputs: list, grad_outputs: list, pieces: list, cuts: list, params=(), inner: Inner = AS_SET):
     """Every copy's backward, interleaved (module docstring). Returns each copy's input gradient and,
     with ``params``, their gradients (summed over the copies, nothing accumulated: auto's trials)."""
     n = len(outputs)
-    run = Segmented(n, chunk_linears)
+    run = Segmented(n, inner)
     claimed: set = set()
     per_copy = [bands(output, copy_cuts, claimed) for output, copy_cuts in zip(outputs, cuts)]
     run.copy_of_node = renumber(per_copy)

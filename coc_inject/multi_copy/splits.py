@@ -19,6 +19,7 @@ import torch
 from coc_inject.allowlist import check
 from coc_inject.multi_copy import recompute, sequence
 from coc_inject.multi_copy.sequence import BATCH, SEQUENCE
+from coc_inject.routes import AS_SET, Inner
 
 # Per-sample arguments of TransformerBlock.forward and their batch dimension; others are
 # shared by every copy when they hold no batch (rotary embeddings) or refused (plan()).
@@ -51,7 +52,7 @@ class Split:
     copies: int
     rows: int  # this rank's rows along the split: the micro-batch, or the sequence (SP: this rank's part)
     cut: tuple  # BATCH: names of the arguments cut along their batch dimension
-    chunk_linears: bool = True  # False: COC_PARALLEL_NUM=auto's linears run Megatron's path in the copies
+    inner: Inner = AS_SET  # what the tuned wings inside the copies run (routes.Inner)
     kind: str = BATCH
     mask: str | None = None  # SEQUENCE: the mask tensor's kind (sequence.mask_kind), None without one
     group: object = field(default=None, compare=False)  # SEQUENCE with SP: the TP group the rows cross

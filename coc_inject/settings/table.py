@@ -196,8 +196,9 @@ SETTINGS = (
             "Multi-copy parallel (MindSpore's micro_batch_interleave_num): each TransformerBlock call splits its "
             "micro-batch into n copies along the batch and runs them in turns, one computing while another's "
             "tensor-parallel collective is in flight, forward and backward. auto: none, 2 or 4 copies, as the "
-            "block's trials find fastest; a fixed count with COC_PARALLEL_NUM=auto: the trials decide whether the "
-            "copies' linears chunk. Arms coc-inject on its own.",
+            "block's trials find fastest; with COC_PARALLEL_NUM=auto or COC_MOE_OVERLAP=auto the trials also try "
+            "the copies with Megatron's linears or dispatcher inside (at a fixed count too), so that every wing on "
+            "auto runs the best of them alone and together. Arms coc-inject on its own.",
             agreed=WHEN_SET, arms=UNLESS_OFF),
     Setting("COC_MOE_OVERLAP", "moe_overlap", OffOnAuto(MOE_OVERLAP_ALLOWED), "0",
             "MoE: the expert-parallel all-to-all of Megatron's alltoall token dispatcher cut into pieces (one per "

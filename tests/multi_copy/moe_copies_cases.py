@@ -92,7 +92,7 @@ def _forget_tracker() -> None:
 
 
 def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, vocab=64, record=False,
-          poison=False, per_copy_losses=False, adam=False, **model):
+          poison=False, per_copy_losses=False, adam=False, decisions=False, **model):
     """``per_copy_losses``: each copy forms its routing losses as Megatron does for one batch (the
     product's combination switched off: what the tests must catch)."""
     from megatron.core import parallel_state
@@ -138,7 +138,7 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
                 result["expert_bias"].append([r.expert_bias.clone() for r in routers])
                 for router in routers:
                     router.local_tokens_per_expert.zero_()
-        if copies == "auto":
+        if copies == "auto" or decisions:
             result["decisions"] = [(key.text(), d.choice) for key, d in job.current().decisions(job.MULTI_COPY).items()]
     result["params"] = {n: p.detach().clone() for n, p in gpt.named_parameters()}
     result["blocks"] = [(last_route(m).copies, last_route(m).reason) for m in gpt.modules()
@@ -147,6 +147,33 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
                             and hasattr(m, "_coc_moe")]
     result["autograd_calls"] = len(autograd_calls)
     result["collectives"] = recorder.calls if recorder is not None else None
+    return result
+
+
+def train_inner_choice(slow_pieces_ranks=(1,), **kwargs):
+    """COC_MULTI_COPY=2 with COC_MOE_OVERLAP=auto: the block's trials of the copies with the MoE pieces
+    inside half a second slower on ``slow_pieces_ranks`` only (a real delay): the block's decision
+    and the MoE layers' routes come back with the training."""
+    import time
+
+    from coc_inject.multi_copy.auto import CopiesKey
+    from coc_inject.routes import inner_of
+    from coc_inject.tuning.online import Tuner
+
+    decide = Tuner.decide
+
+    def skewed(self, key, group, device, candidates, baseline, run, *args, **kw):
+        def trial(choice):
+            run(choice)
+            if isinstance(key, CopiesKey) and inner_of(choice).experts and dist.get_rank() in slow_pieces_ranks:
+                time.sleep(0.5)
+        return decide(self, key, group, device, candidates, baseline, trial, *args, **kw)
+
+    Tuner.decide = skewed
+    try:
+        result = train(copies=2, moe_overlap="auto", decisions=True, **kwargs)
+    finally:
+        Tuner.decide = decide
     return result
 
 

@@ -8,6 +8,7 @@ Megatron's block with its reason."""
 import pytest
 
 from tests.context_parallel.test_cp_gpt import pool  # noqa: F401 - a fixture (4 ranks, per module)
+from coc_inject.routes import copies_of
 from tests.scope import newest_only
 
 CASE = "tests.multi_copy.moe_copies_cases:train"
@@ -179,8 +180,27 @@ def test_auto_tries_moe_copies_alike_on_every_rank_and_leaves_the_routers_as_fou
     decisions = [r["decisions"] for r in got]
     assert len(decisions[0]) == 1 and all(d == decisions[0] for d in decisions), decisions
     choice = decisions[0][0][1]
-    assert all(r["blocks"] == [(choice, None if choice != 1 else "auto: no copies were faster for this shape")]
+    assert all(r["blocks"] == [(copies_of(choice), None if choice != 1 else "auto: no copies were faster for this shape")]
                for r in got), [r["blocks"] for r in got]
+    diff = differences(got, want)
+    assert all(value <= TOL for value in diff.values()), diff
+
+
+@newest_only
+def test_copies_with_tuned_pieces_run_megatrons_dispatcher_where_their_trials_are_faster(pool):
+    """#44 item 4: COC_MULTI_COPY=2 + COC_MOE_OVERLAP=auto: the block's trials also try the copies with
+    Megatron's dispatcher inside; one rank's slower trials with the pieces decide it for every rank its
+    all-to-alls reach (MAX over TP x DP x CP); the MoE layers then run Megatron's dispatcher inside the
+    copies with the reason, and train as without copies."""
+    from coc_inject.routes import COPIES_CHOSE_DISPATCHER, Inner, inside
+
+    want = reference(pool, routing="aux_loss", moe_overlap="auto", b=4)
+    got = pool.run("tests.multi_copy.moe_copies_cases:train_inner_choice", routing="aux_loss", b=4)
+    assert all([choice for _, choice in r["decisions"]] == [inside(2, Inner(experts=False))] for r in got), \
+        [r["decisions"] for r in got]
+    assert all(r["blocks"] == [(2, None)] for r in got), [r["blocks"] for r in got]
+    assert all(r["moe_routes"] and set(r["moe_routes"]) == {("megatron", COPIES_CHOSE_DISPATCHER)} for r in got), \
+        [r["moe_routes"] for r in got]
     diff = differences(got, want)
     assert all(value <= TOL for value in diff.values()), diff
 

@@ -236,14 +236,30 @@ def test_alone_keeps_the_baton_until_it_ends():
 def test_auto_tries_the_counts_that_divide_the_micro_batch_and_a_fixed_count_its_linears():
     from coc_inject.multi_copy import auto
     from coc_inject.multi_copy.splits import Split
-    from coc_inject.routes import unchunked
+    from coc_inject.routes import Inner, unchunked
 
     assert auto.candidates(2, True, False, rows=8) == [1, 2, 4]
-    assert auto.candidates(2, True, True, rows=6) == [1, 2]  # auto copies: the linears as set
+    assert auto.candidates(2, True, True, rows=6) == [1, 2, unchunked(2)]  # auto copies: with and without chunks
     assert auto.candidates(4, False, True, rows=8) == [4, unchunked(4)]
     assert auto.candidates(2, False, False, rows=8) == [2]  # nothing to try
-    assert auto.split_for(unchunked(4), Split(2, 8, ())) == Split(4, 8, (), False)
+    assert auto.split_for(unchunked(4), Split(2, 8, ())) == Split(4, 8, (), Inner(linears=False))
     assert auto.split_for(1, Split(2, 8, ())) is None
+
+
+def test_every_wing_on_auto_tries_each_tuned_wing_inside_the_copies_and_megatrons_path_instead():
+    """#44 item 4: with the linears and the MoE pieces on auto, the copies are tried with each inside as
+    it chose, with Megatron's path instead of either, and of both (copies alone): the block's choice
+    covers the wings alone and together; the texts read back as what runs inside."""
+    from coc_inject.multi_copy import auto
+    from coc_inject.routes import AS_SET, Inner, copies_of, inner_of, inside
+
+    got = auto.candidates(2, True, True, rows=4, experts_auto=True)
+    inners = [AS_SET, Inner(linears=False), Inner(experts=False), Inner(False, False)]
+    assert got == [1] + [inside(n, inner) for n in (2, 4) for inner in inners]
+    assert got[1:5] == [2, "2 copies, Megatron's linears", "2 copies, Megatron's dispatcher",
+                        "2 copies, Megatron's linears and dispatcher"]
+    assert [(copies_of(c), inner_of(c)) for c in got[1:]] == [(n, inner) for n in (2, 4) for inner in inners]
+    assert auto.candidates(2, False, False, rows=4, experts_auto=True) == [2, inside(2, Inner(experts=False))]
 
 
 class FakeStream:
