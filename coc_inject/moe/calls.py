@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from coc_inject import copy_context, job, log, trial
+from coc_inject import copy_context, job, log
 from coc_inject.moe import auto, counts, grouped, guards
 from coc_inject.moe.function import PieceRun, PipelinedExperts
 from coc_inject.routes import COPIES_CHOSE_DISPATCHER, MoERoute
@@ -89,12 +89,12 @@ class MoECall:
             self.chunks = auto.choose(
                 self.installation.tuner(MOE), self.key, group, tokens, probs,
                 lambda t, p: self.megatron_middle(self, t, p),
-                lambda t, p, chunks: self.pieces(t, p, chunks, accumulate=False), self.experts)
+                lambda t, p, chunks: self.pieces(t, p, chunks), self.experts)
         if self.chunks == auto.MEGATRON:
             return self.megatron_middle(self, tokens, probs)
         return self.pieces(tokens, probs, self.chunks)
 
-    def pieces(self, tokens, probs, chunks: int, accumulate: bool = True):
+    def pieces(self, tokens, probs, chunks: int):
         """The combined rows of the pieces at ``chunks`` per expert."""
         experts, dispatcher = self.experts, self.dispatcher
         apply_on_input = experts.config.moe_apply_probs_on_input
@@ -110,15 +110,14 @@ class MoECall:
         if in_groups:  # one call of the experts' own forward per piece (it applies the probs as its release does)
             expert = grouped.expert(experts, grouped.megatron_forward(self.installation.patches, experts))
 
-        # Inside any trial (a block's, whose copies run the pieces, as well as this wing's own) the
-        # backward must not accumulate: trial.isolated took main_grad off, and DDP's hook would fail on it.
-        accumulate = accumulate and not trial.active()
-        parameters = any(p.requires_grad for p in experts.parameters())
-        needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or parameters)
+        parameters = [p for p in experts.parameters() if p.requires_grad]
+        needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or bool(parameters))
         tp_group = dispatcher.tp_group if dispatcher.tp_size > 1 else None
         layout = counts.piece_layout(dispatcher, chunks, self.sent, self.received, in_groups)
-        run = PieceRun(layout, expert, dispatcher.ep_group, tp_group, dispatcher.probs.dtype, needs_grad, accumulate)
-        return PipelinedExperts.apply(tokens, probs, run)
+        run = PieceRun(layout, expert, dispatcher.ep_group, tp_group, dispatcher.probs.dtype, needs_grad)
+        # The experts' parameters are the Function's inputs: their gradients, summed over the pieces, reach
+        # autograd once per layer call, as from Megatron's experts (one AccumulateGrad, one DDP hook each).
+        return PipelinedExperts.apply(tokens, probs, run, *(parameters if needs_grad else ()))
 
 
 _current: contextvars.ContextVar = contextvars.ContextVar("coc_inject_moe_call", default=None)

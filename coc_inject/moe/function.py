@@ -46,7 +46,6 @@ class PieceRun:
     tp_group: object  # the expert tensor-parallel group; None without expert TP
     combine_dtype: torch.dtype  # Megatron reduce-scatters the experts' output in the probs' dtype
     needs_grad: bool
-    accumulate: bool = True  # False inside any auto's trial: the backward leaves parameter gradients alone
     saved: list = None  # per piece: (tokens leaf, probs leaf, output) for the backward
 
     def to_experts(self, piece: Piece, via=None) -> list:
@@ -59,21 +58,31 @@ class PieceRun:
         moves = [ReduceScatterRows(list(piece.tp_sizes), self.tp_group, via)] if self.tp_group else []
         return moves + [AllToAll(list(piece.recv_splits), piece.send_splits, self.ep_group)]
 
-    def backward(self, output, grad_output, leaves) -> list:
-        """The gradients of ``leaves`` (zeros where none flows)."""
-        if self.accumulate:  # backward, not grad: the experts' parameter gradients accumulate as Megatron's
-            torch.autograd.backward(output, grad_output)
-            grads = [leaf.grad for leaf in leaves]
-        else:
-            grads = torch.autograd.grad(output, leaves, grad_output, allow_unused=True)
-        return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads)]
+    def backward(self, output, grad_output, leaves, params, sums: list) -> list:
+        """The gradients of ``leaves`` (zeros where none flows); the parameters' added into ``sums``.
+
+        ``grad``, never ``backward``: no AccumulateGrad runs per piece. Megatron's experts give each
+        parameter one gradient per layer call, and its DDP hook fires once: megatron-core 0.12 to 0.15
+        assert it ("Cannot set grad twice" under overlap_grad_reduce), 0.16+ count the calls. A linear
+        with fused accumulation adds its share into ``main_grad`` itself and returns a placeholder,
+        kept once as Megatron's."""
+        grads = torch.autograd.grad(output, list(leaves) + list(params), grad_output, allow_unused=True)
+        for index, (param, grad) in enumerate(zip(params, grads[len(leaves):])):
+            if grad is None:
+                continue
+            if sums[index] is None:
+                sums[index] = grad
+            elif not getattr(param, "grad_added_to_main_grad", False):
+                sums[index] = sums[index] + grad
+        return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads[:len(leaves)])]
 
 
 class PipelinedExperts(torch.autograd.Function):
     """tokens, probs (the dispatcher's permuted local rows) -> the combined expert outputs in the same order."""
 
     @staticmethod
-    def forward(ctx, tokens, probs, run: PieceRun):
+    def forward(ctx, tokens, probs, run: PieceRun, *params):
+        """``params``: the experts' trainable parameters (the backward returns their summed gradients)."""
         pieces = run.pieces
         run.saved = []
 
@@ -101,7 +110,7 @@ class PipelinedExperts(torch.autograd.Function):
         combined = tokens.new_empty((tokens.shape[0], rows[0].shape[-1]), dtype=rows[0].dtype)
         for piece, piece_rows in zip(pieces, rows):
             _scatter_rows(combined, piece, piece_rows)
-        ctx.run = run
+        ctx.run, ctx.params = run, params
         ctx.tokens_shape, ctx.tokens_dtype = tokens.shape, tokens.dtype
         ctx.probs_shape, ctx.probs_dtype = probs.shape, probs.dtype
         return combined
@@ -116,13 +125,13 @@ class PipelinedExperts(torch.autograd.Function):
         def combine_backward(p):
             return Chain(run.to_experts(pieces[p], run.combine_dtype), [_gather_rows(grad_combined, pieces[p])])
 
-        inflight, returns = combine_backward(0), []
+        inflight, returns, sums = combine_backward(0), [], [None] * len(ctx.params)
         for p, piece in enumerate(pieces):
             (grad_output,) = inflight.finish()
             if p + 1 < len(pieces):
                 inflight = combine_backward(p + 1)
             piece_tokens, piece_probs, output = saved[p]
-            grads = run.backward(output, grad_output.to(output.dtype), (piece_tokens, piece_probs))
+            grads = run.backward(output, grad_output.to(output.dtype), (piece_tokens, piece_probs), ctx.params, sums)
             if p + 1 < len(pieces):
                 inflight.advance()
             returns.append(Chain(run.from_experts(piece), grads))
@@ -134,4 +143,8 @@ class PipelinedExperts(torch.autograd.Function):
             rows_tokens, rows_probs = chain.finish()
             _scatter_rows(grad_tokens, piece, rows_tokens)
             _scatter_rows(grad_probs, piece, rows_probs)
-        return grad_tokens, grad_probs, None
+        # a parameter no piece reached (an expert without rows anywhere) gets zeros, as from Megatron's
+        # experts, which run every local expert, rows or none: its DDP hook fires as Megatron's would
+        params = [torch.zeros_like(param) if grad is None else grad for param, grad in zip(ctx.params, sums)]
+        ctx.params = None
+        return (grad_tokens, grad_probs, None, *params)

@@ -105,7 +105,7 @@ def _install(coc: dict | None, tp: int, cp: int, ep: int) -> None:
 
 
 def _model(kind: str, tp: int, cp: int, ep: int, dtype, seq: int, vocab: int, heads: int = 4,
-           softmax_fusion: bool = False):
+           softmax_fusion: bool = False, grouped: bool = False):
     """The GPT; in bf16 inside Megatron's Float16Module, as Megatron-LM wraps it (bf16 parameters and
     activations, the logits back in fp32). ``softmax_fusion``: Megatron's fused softmax (the CPU
     stand-ins of tests/fakes/fused_softmax.py) where its shapes allow."""
@@ -114,7 +114,8 @@ def _model(kind: str, tp: int, cp: int, ep: int, dtype, seq: int, vocab: int, he
     fused = dict(gradient_accumulation_fusion=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                  bias_dropout_fusion=True, masked_softmax_fusion=softmax_fusion)
     if kind == "moe":
-        model = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, sp=tp > 1, context_parallel_size=cp, **fused)
+        model = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, sp=tp > 1, context_parallel_size=cp,
+                                    grouped=grouped, **fused)
     else:  # the dense MLP's GeLU with its bias fused (the MoE experts have no bias)
         model = cp_gpt_cases.build_gpt(tp, cp, seq=seq, vocab=vocab, sp=tp > 1, heads=heads,
                                        bias_activation_fusion=True, **fused)
@@ -194,10 +195,11 @@ def softmax_watch(found: dict):
 
 def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp: int = 2, cp: int = 1, ep: int = 1,
           steps: int = 3, b: int = 4, seq: int = 32, vocab: int = 128, mask: str = "causal", heads: int = 4,
-          softmax_fusion: bool = True) -> dict:
+          softmax_fusion: bool = True, grouped: bool = False) -> dict:
     """``steps`` steps of the GPT (``kind``: "dense" or "moe") under Megatron's GPU defaults (module
     docstring) with coc-inject's wings as ``coc`` arms them (None: off). Each rank's data-parallel
-    replica takes its own batch. ``mask``: "causal" or "document" (document_mask)."""
+    replica takes its own batch. ``mask``: "causal" or "document" (document_mask). ``grouped``: the MoE
+    experts the legacy GroupedMLP (the grouped_gemm stand-in installed)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -211,7 +213,11 @@ def train(coc: dict | None = None, kind: str = "dense", dtype: str = "fp32", tp:
         undo.callback(setattr, torch._dynamo.config, "disable", held_dynamo)
         _install(coc, tp, cp, ep)
         undo.enter_context(softmax_watch(watched))
-        model = _model(kind, tp, cp, ep, DTYPES[dtype], seq, vocab, heads, softmax_fusion)
+        if grouped:
+            from tests.fakes import grouped_gemm
+
+            undo.enter_context(grouped_gemm.installed())
+        model = _model(kind, tp, cp, ep, DTYPES[dtype], seq, vocab, heads, softmax_fusion, grouped)
         ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
             overlap_grad_reduce=True, use_distributed_optimizer=True, grad_reduce_in_fp32=True))
         watch = undo.enter_context(TrialWatch(model, ddp))
