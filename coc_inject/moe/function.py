@@ -24,6 +24,8 @@ import torch
 from coc_inject.moe.layout import Piece
 from coc_inject.moe.transfers import AllGatherRows, AllToAll, Chain, ReduceScatterRows
 
+HALF = (torch.float16, torch.bfloat16)
+
 
 def _gather_rows(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
     return torch.cat([buffer.narrow(0, start, length) for start, length in piece.send_ranges])
@@ -70,10 +72,10 @@ class PieceRun:
         for index, (param, grad) in enumerate(zip(params, grads[len(leaves):])):
             if grad is None:
                 continue
-            if sums[index] is None:
-                sums[index] = grad
+            if sums[index] is None:  # a half-precision gradient summed in fp32, rounded once at the end
+                sums[index] = grad.float() if grad.dtype in HALF else grad
             elif not getattr(param, "grad_added_to_main_grad", False):
-                sums[index] = sums[index] + grad
+                sums[index] = sums[index] + grad  # fp32 + half promotes to fp32
         return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads[:len(leaves)])]
 
 
@@ -145,6 +147,6 @@ class PipelinedExperts(torch.autograd.Function):
             _scatter_rows(grad_probs, piece, rows_probs)
         # a parameter no piece reached (an expert without rows anywhere) gets zeros, as from Megatron's
         # experts, which run every local expert, rows or none: its DDP hook fires as Megatron's would
-        params = [torch.zeros_like(param) if grad is None else grad for param, grad in zip(ctx.params, sums)]
+        params = [torch.zeros_like(param) if grad is None else grad.to(param.dtype) for param, grad in zip(ctx.params, sums)]
         ctx.params = None
         return (grad_tokens, grad_probs, None, *params)

@@ -9,6 +9,12 @@ asserts it); against the same training with coc-inject off."""
 import pytest
 
 from tests.gpu_defaults.test_gpu_defaults import assert_same
+
+# bf16 GroupedMLP (0.16 asserts bf16): each piece's grouped GEMM rounds its weight gradient to bf16 before the
+# pieces' fp32 sum, where Megatron's one GEMM over all rows rounds once; measured here over 2 steps: the
+# second step's loss within 3.5e-4 relative, the gradient norm within 1.1e-3 (the copies' bf16 bounds,
+# test_gpu_defaults.BF16_*: 2e-4 and 1e-3). Bounds 3x those seen.
+GROUPED_BF16_LOSS_RTOL, GROUPED_BF16_NORM_RTOL = 1e-3, 5e-3
 from tests.moe.test_moe_grouped import BF16_ONLY, HAS_GROUPED_MLP
 
 CASE = "tests.gpu_defaults.gpu_defaults_cases:train"
@@ -29,4 +35,10 @@ def test_moe_pieces_train_as_off_under_ddp_overlap_grad_reduce(pool, grouped):
     # every MoE layer's last call ran as pieces (a route with a reason is Megatron's dispatcher's)
     assert all(r["routes"]["_coc_moe"] and all(route.startswith("MoERoute(") for route in r["routes"]["_coc_moe"])
                for r in got), [r["routes"] for r in got]
-    assert_same(got, want, dtype, trials=False)
+    if dtype == "bf16":
+        for g, w in zip(got, want):
+            assert g["trials"] == 0 and g["trial_changes"] == [] and w["fused_calls"] > 0
+            assert g["losses"] == pytest.approx(w["losses"], rel=GROUPED_BF16_LOSS_RTOL)
+            assert g["norms"] == pytest.approx(w["norms"], rel=GROUPED_BF16_NORM_RTOL), (g["norms"], w["norms"])
+    else:
+        assert_same(got, want, dtype, trials=False)
