@@ -40,12 +40,13 @@ CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_c
 # MoE on the older releases: every case but expert biases (0.13 refuses them for MoE). 0.13 to 0.15 run the
 # pieces through the dispatcher's stages (0.16+: the layer's), 0.12 through its dispatcher's token_permutation /
 # token_unpermutation (there a few of the layer cases, tests/moe/test_moe.py's not_on_oldest, and MindSpeed's
-# TP 2 SP x EP 2 job under torchrun, SequentialMLP and GroupedMLP: MOE_OLDEST). $(MEGATRON_OLDER) runs this
+# TP 2 SP x EP 2 job under torchrun with grouped-GEMM experts, its linears chunked: MOE_OLDEST; the
+# SequentialMLP job runs when the file is called directly). $(MEGATRON_OLDER) runs this
 # suite alone, for the dispatcher-stage path (its linears, CP and copies are 0.16.1's code paths).
 # test_moe_grouped.py: the legacy GroupedMLP's pieces (0.12 to 0.16 have it; the newest release skips them, saying why).
 # test_moe_ddp.py: the pieces under Megatron's DDP with overlap_grad_reduce (0.12 to 0.15 assert one hook call per parameter).
 MOE_SUITES := tests/moe/test_moe.py tests/moe/test_moe_grouped.py tests/moe/test_moe_ddp.py
-MOE_OLDEST := tests/moe/test_moe_e2e.py::test_tp2_sp_by_ep2_trains_as_off_with_the_moe_layers_in_pieces
+MOE_OLDEST := 'tests/moe/test_moe_e2e.py::test_tp2_sp_by_ep2_trains_as_off_with_the_moe_layers_in_pieces[grouped]'
 
 LINK ?= 1gbit
 ROUNDS ?= 3

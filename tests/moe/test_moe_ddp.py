@@ -15,7 +15,9 @@ from tests.gpu_defaults.test_gpu_defaults import assert_same
 # second step's loss within 3.5e-4 relative, the gradient norm within 1.1e-3 (the copies' bf16 bounds,
 # test_gpu_defaults.BF16_*: 2e-4 and 1e-3). Bounds 3x those seen.
 GROUPED_BF16_LOSS_RTOL, GROUPED_BF16_NORM_RTOL = 1e-3, 5e-3
-from tests.moe.test_moe_grouped import BF16_ONLY, HAS_GROUPED_MLP
+from tests.moe.test_moe_grouped import BF16_ONLY, HAS_GROUPED_MLP, MEGATRON
+
+ASSERTS_ONE_HOOK_CALL = MEGATRON < (0, 16)  # register_grad_ready: "Cannot set grad twice"
 
 CASE = "tests.gpu_defaults.gpu_defaults_cases:train"
 
@@ -29,6 +31,8 @@ def pool(pool4):
 def test_moe_pieces_train_as_off_under_ddp_overlap_grad_reduce(pool, grouped):
     if grouped and not HAS_GROUPED_MLP:
         pytest.skip("this megatron-core has no legacy GroupedMLP (TEGroupedMLP only)")
+    if not grouped and not ASSERTS_ONE_HOOK_CALL:
+        pytest.skip("megatron-core >= 0.16 counts the hook calls (tests/gpu_defaults runs the pieces under its DDP)")
     dtype = "bf16" if grouped and BF16_ONLY else "fp32"
     want = pool.run(CASE, kind="moe", ep=2, steps=2, dtype=dtype, grouped=grouped)
     got = pool.run(CASE, coc={"moe_overlap": "1"}, kind="moe", ep=2, steps=2, dtype=dtype, grouped=grouped)
