@@ -122,11 +122,6 @@ def inside(copies: int, inner: Inner = AS_SET):
     return copies if inner == AS_SET else f"{copies} copies, Megatron's {_MEGATRONS[inner]}"
 
 
-def unchunked(copies: int) -> str:
-    """``copies`` copies whose tuned linears run Megatron's path."""
-    return inside(copies, Inner(linears=False))
-
-
 def copies_of(choice) -> int:
     """The copy count of a multi-copy choice (a count, or :func:`inside`'s text)."""
     return choice if isinstance(choice, int) else int(choice.split()[0])
@@ -139,10 +134,6 @@ def inner_of(choice) -> Inner:
     megatrons = choice.split("Megatron's ", 1)[1]
     return Inner(linears="linears" not in megatrons, experts="dispatcher" not in megatrons)
 
-
-def chunks_linears(choice) -> bool:
-    """Do a multi-copy choice's tuned linears keep CoC's chunks?"""
-    return inner_of(choice).linears
 
 # Attention's algorithm when COC_FLASH_ATTN left a call to Megatron's attention.
 MEGATRON_ATTENTION = "Megatron's attention"

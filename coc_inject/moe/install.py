@@ -46,13 +46,14 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
         return
     stages.install_preprocess(patches, dispatcher)
     taken = None  # the experts classes whose forward runs the pieces (None: any, the layer's stages run them)
+    classes = _experts_classes(experts)
     if stages.has_layer_stages(layer):
         megatron_middle = stages.install_layer_stages(patches, layer)
-    elif stages.has_dispatcher_stages(dispatcher, _experts_classes(experts)):
-        taken = _experts_classes(experts)
+    elif stages.has_dispatcher_stages(dispatcher, classes):
+        taken = classes
         megatron_middle = stages.install_dispatcher_stages(patches, dispatcher, taken)
     elif permutation_stages.has_permutation_stages(dispatcher):  # 0.12: token_permutation / token_unpermutation
-        taken = _experts_classes(experts)
+        taken = classes
         megatron_middle = permutation_stages.install(patches, dispatcher, taken)
     else:  # no stage to take over: every layer runs Megatron's dispatcher (guards.layer_reason says why)
         megatron_middle = None

@@ -17,6 +17,7 @@ experts with the piece's rows per expert; :attr:`Piece.blocks` says how to put t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from coc_inject.pipeline.layout import chunk_bounds
@@ -54,9 +55,7 @@ def pieces(local_counts: list, global_counts: list, local_experts: int, chunks: 
     to local expert ``j`` (Megatron's ``num_global_tokens_per_local_expert``); this rank is ``tp_rank``.
     An expert's input is its rows rank-major: TP rank, then EP rank, as Megatron's sort leaves them."""
     ep = len(global_counts[0])
-    offsets = [0]
-    for count in local_counts:
-        offsets.append(offsets[-1] + count)
+    offsets = _offsets(local_counts)
     result = []
     for j in range(local_experts):
         sent = [_lengths(local_counts[r * local_experts + j], chunks) for r in range(ep)]
@@ -66,6 +65,11 @@ def pieces(local_counts: list, global_counts: list, local_experts: int, chunks: 
             tp_sizes = tuple(sum(bounds[s][c][1] for s in range(ep)) for bounds in received)
             result.append(Piece(j, c, ranges, tuple(received[tp_rank][s][c][1] for s in range(ep)), tp_sizes))
     return result
+
+
+def _offsets(counts: list) -> list:
+    """Where each expert's rows start in the permuted buffer (and the end)."""
+    return [0, *itertools.accumulate(counts)]
 
 
 def _lengths(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -78,9 +82,7 @@ def grouped_pieces(local_counts: list, global_counts: list, local_experts: int, 
     """The pieces of one dispatch for grouped experts: piece ``c`` is chunk ``c`` of every local
     expert's rows (arguments as :func:`pieces`)."""
     ep = len(global_counts[0])
-    offsets = [0]
-    for count in local_counts:
-        offsets.append(offsets[-1] + count)
+    offsets = _offsets(local_counts)
     sent = [[_lengths(local_counts[r * local_experts + j], chunks) for j in range(local_experts)] for r in range(ep)]
     received = [[[_lengths(per_rank[s][j], chunks) for j in range(local_experts)] for s in range(ep)]
                 for per_rank in global_counts]

@@ -29,7 +29,7 @@ import sys
 import torch
 
 from coc_inject.moe.guards import PERMUTATION_STAGES, permutation_reason
-from coc_inject.moe.stages import unless_pieces
+from coc_inject.moe.stages import install_experts_forwards, megatron_experts_forward, unless_pieces
 
 # 0.12's _maybe_dtoh_and_synchronize points of token_permutation, in its order (the copy at the first).
 POINTS = ("before_permutation_1", "before_ep_alltoall", "before_permutation_2", "before_finish")
@@ -43,13 +43,10 @@ def has_permutation_stages(dispatcher_class) -> bool:
 def install(patches, dispatcher_class, experts_classes):
     """Wrap the dispatcher's two methods and each experts class's forward; returns Megatron's middle."""
     originals = {name: patches.original(dispatcher_class, name) for name in PERMUTATION_STAGES}
-    experts_forwards = {cls: patches.original(cls, "forward") for cls in experts_classes}
     patches.patch(dispatcher_class, "token_permutation", unless_pieces(originals["token_permutation"], _permutation))
     patches.patch(dispatcher_class, "token_unpermutation",
                   unless_pieces(originals["token_unpermutation"], _unpermutation))
-    for cls, forward in experts_forwards.items():
-        patches.patch(cls, "forward", unless_pieces(forward, _pieces_forward))
-    return functools.partial(_megatron_middle, experts_forwards)
+    return functools.partial(_megatron_middle, install_experts_forwards(patches, experts_classes))
 
 
 def _megatron(dispatcher):
@@ -80,11 +77,6 @@ def _permutation(call, hidden_states, probs, routing_map):
     return tokens, call.tokens_per_expert, permuted_probs
 
 
-def _pieces_forward(call, tokens, tokens_per_expert, probs):
-    """The experts' forward's place: the pieces (dispatch, experts, combine) of the permuted local rows."""
-    return call.run_experts(tokens, probs), None
-
-
 def _unpermutation(call, hidden_states, bias=None):
     """0.12's token_unpermutation without its permutation 2, reduce-scatter and all-to-all:
     unpermutation 1 of the combined rows, in the input's shape."""
@@ -111,7 +103,7 @@ def _megatron_middle(experts_forwards, call, tokens, probs):
         tokens, probs = megatron.sort_chunks_by_idxs(
             tokens, self.num_global_tokens_per_local_expert.ravel(), self.sort_input_by_local_experts, probs=probs,
             fused=fused)
-    forward = next(experts_forwards[cls] for cls in type(call.experts).__mro__ if cls in experts_forwards)
+    forward = megatron_experts_forward(experts_forwards, call.experts)
     output, _ = forward(call.experts, tokens, call.tokens_per_expert, probs)
     if self.num_local_experts > 1:
         output, _ = megatron.sort_chunks_by_idxs(

@@ -106,10 +106,28 @@ def install_layer_stages(patches, layer_class):
 # megatron-core 0.13 to 0.15: the dispatcher's stages and the experts' forward (SequentialMLP, GroupedMLP)
 
 
+def pieces_forward(call, tokens, tokens_per_expert, probs):
+    """The experts' forward's place: the pieces (dispatch, experts, combine) of the permuted local rows."""
+    return call.run_experts(tokens, probs), None
+
+
+def install_experts_forwards(patches, experts_classes) -> dict:
+    """Each experts class's forward runs the pieces for a call that runs as pieces; returns Megatron's
+    forwards by class (0.12 to 0.15, whose stages hand the experts the rows)."""
+    forwards = {cls: patches.original(cls, "forward") for cls in experts_classes}
+    for cls, forward in forwards.items():
+        patches.patch(cls, "forward", unless_pieces(forward, pieces_forward))
+    return forwards
+
+
+def megatron_experts_forward(forwards: dict, experts):
+    """Megatron's forward of ``experts``'s class among :func:`install_experts_forwards`' (its nearest base's)."""
+    return next(forwards[cls] for cls in type(experts).__mro__ if cls in forwards)
+
+
 def install_dispatcher_stages(patches, dispatcher_class, experts_classes):
     """Wrap the dispatcher's four stages and each experts class's forward; returns Megatron's middle."""
     originals = {name: patches.original(dispatcher_class, name) for name in DISPATCHER_STAGES}
-    experts_forwards = {cls: patches.original(cls, "forward") for cls in experts_classes}
 
     def token_dispatch(call, tokens, probs):
         _synchronize(call.dispatcher, "before_ep_alltoall")
@@ -125,18 +143,14 @@ def install_dispatcher_stages(patches, dispatcher_class, experts_classes):
     for name, deferred in zip(DISPATCHER_STAGES, (token_dispatch, dispatch_postprocess, passed_on, passed_on)):
         patches.patch(dispatcher_class, name, unless_pieces(originals[name], deferred))
 
-    def pieces_forward(call, tokens, tokens_per_expert, probs):
-        return call.run_experts(tokens, probs), None
-
-    for cls, forward in experts_forwards.items():
-        patches.patch(cls, "forward", unless_pieces(forward, pieces_forward))
+    experts_forwards = install_experts_forwards(patches, experts_classes)
 
     def megatron_middle(call, tokens, probs):
         dispatcher = call.dispatcher
         dispatcher.tokens_per_expert = call.tokens_per_expert  # as the deferred stages found it
         tokens, probs = originals["token_dispatch"](dispatcher, tokens, probs)
         tokens, tokens_per_expert, probs = originals["dispatch_postprocess"](dispatcher, tokens, probs)
-        forward = next(experts_forwards[cls] for cls in type(call.experts).__mro__ if cls in experts_forwards)
+        forward = megatron_experts_forward(experts_forwards, call.experts)
         output, _ = forward(call.experts, tokens, tokens_per_expert, probs)
         return originals["token_combine"](dispatcher, originals["combine_preprocess"](dispatcher, output))
 

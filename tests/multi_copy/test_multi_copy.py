@@ -44,10 +44,10 @@ def test_with_coc_chunked_linears(pool, chunks):
 def test_copies_with_tuned_linears_run_megatrons_linears_where_their_trials_are_faster(pool):
     """COC_MULTI_COPY=2 + COC_PARALLEL_NUM=auto: the block's trials decide whether the copies' linears
     chunk; one rank's slower chunked trials decide it for its group (MAX over ranks)."""
-    from coc_inject.routes import COPIES_CHOSE_MEGATRON, unchunked
+    from coc_inject.routes import COPIES_CHOSE_MEGATRON, Inner, inside
 
     got = pool.run("tests.multi_copy.multi_copy_cases:train_linears_choice", tp=2, sp=True, b=4)
-    assert all(r["decisions"] == [unchunked(2)] and r["routes"] == [(2, None)] for r in got), got[0]["decisions"]
+    assert all(r["decisions"] == [inside(2, Inner(linears=False))] and r["routes"] == [(2, None)] for r in got), got[0]["decisions"]
     assert all(COPIES_CHOSE_MEGATRON in r["megatron_reasons"] for r in got), [r["megatron_reasons"] for r in got]
     assert_same_training(got, reference(pool, tp=2, sp=True, b=4))
 

@@ -236,13 +236,13 @@ def test_alone_keeps_the_baton_until_it_ends():
 def test_auto_tries_the_counts_that_divide_the_micro_batch_and_a_fixed_count_its_linears():
     from coc_inject.multi_copy import auto
     from coc_inject.multi_copy.splits import Split
-    from coc_inject.routes import Inner, unchunked
+    from coc_inject.routes import Inner, inside
 
     assert auto.candidates(2, True, False, rows=8) == [1, 2, 4]
-    assert auto.candidates(2, True, True, rows=6) == [1, 2, unchunked(2)]  # auto copies: with and without chunks
-    assert auto.candidates(4, False, True, rows=8) == [4, unchunked(4)]
+    assert auto.candidates(2, True, True, rows=6) == [1, 2, inside(2, Inner(linears=False))]  # auto copies: with and without chunks
+    assert auto.candidates(4, False, True, rows=8) == [4, inside(4, Inner(linears=False))]
     assert auto.candidates(2, False, False, rows=8) == [2]  # nothing to try
-    assert auto.split_for(unchunked(4), Split(2, 8, ())) == Split(4, 8, (), Inner(linears=False))
+    assert auto.split_for(inside(4, Inner(linears=False)), Split(2, 8, ())) == Split(4, 8, (), Inner(linears=False))
     assert auto.split_for(1, Split(2, 8, ())) is None
 
 
