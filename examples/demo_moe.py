@@ -12,7 +12,8 @@ from demo_runs import variant_runs
 
 MOE_MODEL = ["--num-experts", "8", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
              "--moe-router-topk", "4", "--num-layers", "2", "--hidden-size", "512", "--ffn-hidden-size", "768",
-             "--num-attention-heads", "8", "--seq-length", "512", "--micro-batch-size", "2", "--vocab-size", "256"]
+             "--num-attention-heads", "8", "--seq-length", "512", "--micro-batch-size", "2", "--vocab-size", "256",
+             "--overlap-grad-reduce"]
 MOE_STEPS = 8
 MOE_VARIANTS = {"off": {}, "COC_MOE_OVERLAP=auto": {"COC_MOE_OVERLAP": "auto"}}
 LINK_TARGET = 1.15  # issue 26: a GPT-MoE step over the link with auto >= 1.15x off

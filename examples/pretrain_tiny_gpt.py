@@ -14,8 +14,10 @@ itself; something like coc-inject (``COC_CP_ALGO``) must provide it. Each step d
 tokens from a fixed seed (the same batch on every tensor-parallel rank), takes the model's
 per-token cross-entropy (a masked mean), back-propagates, all-reduces the gradients of the
 sequence-parallel parameters over the tensor-parallel group (what Megatron's
-``finalize_model_grads`` does) and steps ``torch.optim.Adam``. Dropout is 0, so two runs give
-the same losses bit for bit.
+``finalize_model_grads`` does) and the data-parallel mean (what Megatron's DDP does), and steps
+``torch.optim.Adam``. The reductions run after the backward, or with ``--overlap-grad-reduce``
+during it, each as soon as its gradient is ready (Megatron's DDP with that flag). Dropout is 0, so
+two runs give the same losses bit for bit.
 
 Rank 0 prints one line per step and a summary; ``--json PATH`` also writes the losses, the step
 times and, per rank, the bytes the attention layers keep for backward there. That figure is
@@ -134,6 +136,9 @@ def parse_args():
                         help="MoE: the legacy GroupedMLP experts (the grouped_gemm extension; megatron-core 0.12 to 0.16)")
     parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                         help="no biases in the linears (megatron-core 0.12 and 0.13 refuse them in MoE layers)")
+    parser.add_argument("--overlap-grad-reduce", action="store_true",
+                        help="reduce each gradient while the backward goes on, as Megatron's DDP does with "
+                             "--overlap-grad-reduce (in one fixed order on every rank); default: after the backward")
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes losses and step times here")
     return parser.parse_args()
 
@@ -245,6 +250,61 @@ def cpu_moe_shims():
     dist.all_to_all_single = with_list_splits
 
 
+class GradReduceInBackward:
+    """``--overlap-grad-reduce``: what Megatron's DDP does with that flag, per parameter instead of per
+    bucket. A gradient's all-reduce starts as soon as autograd has accumulated it (a post-accumulate
+    hook), while the backward goes on; ``finish()`` waits for them and applies the mean's divisor.
+    They are issued in one fixed order on every rank (reverse registration, as DDP's buckets): a
+    gradient ready early waits for those before it, so same-shaped all-reduces never pair up wrong.
+    ``entries``: (parameter, group, divisor), one group per parameter (two reductions of one gradient in
+    flight at once would race on it: those stay after the backward)."""
+
+    def __init__(self, entries):
+        self.entries = list(reversed(entries))
+        self.position = {id(param): index for index, (param, _, _) in enumerate(self.entries)}
+        self.ready, self.next, self.handles = [False] * len(self.entries), 0, []
+        for param, _, _ in self.entries:
+            param.register_post_accumulate_grad_hook(self._accumulated)
+
+    def _accumulated(self, param):
+        self.ready[self.position[id(param)]] = True
+        while self.next < len(self.entries) and self.ready[self.next]:
+            self._issue(self.next)
+
+    def _issue(self, index):
+        param, group, _ = self.entries[index]
+        self.next = index + 1
+        if param.grad is not None:
+            self.handles.append(dist.all_reduce(param.grad, group=group, async_op=True))
+
+    def finish(self):
+        """After the backward: the rest issued in order (a parameter without a gradient), all waited for."""
+        while self.next < len(self.entries):
+            self._issue(self.next)
+        for handle in self.handles:
+            handle.wait()
+        for param, _, divisor in self.entries:
+            if param.grad is not None and divisor != 1:
+                param.grad /= divisor
+        self.ready, self.next, self.handles = [False] * len(self.entries), 0, []
+
+
+def gradient_reductions(model, cp_group, dp_group, tp_group, sp_params):
+    """Each parameter's reductions after the backward, in order: (group, divisor) each. The context-parallel
+    sum (each rank holds its sequence shard's gradient), the data-parallel mean (an expert's over the ranks
+    holding the same expert) and, for the replicated sequence-parallel parameters (layer norms), the
+    tensor-parallel sum (what Megatron's ``finalize_model_grads`` does)."""
+    sequence_parallel = {id(param) for param in sp_params}
+    reductions = []
+    for name, param in model.named_parameters():
+        groups = [] if cp_group.size() == 1 else [(cp_group, 1)]
+        data = parallel_state.get_expert_data_parallel_group() if ".local_experts." in name else dp_group
+        groups += [] if data.size() == 1 else [(data, data.size())]
+        groups += [(tp_group, 1)] if id(param) in sequence_parallel else []
+        reductions.append((param, groups))
+    return reductions
+
+
 def synthetic_batch(args, step, data_rank=0):
     """Token sequences from a fixed random bigram table (90% follow it, 10% random tokens).
 
@@ -325,6 +385,11 @@ def main():
     seed_experts(model, args)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     sp_params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+    reductions = gradient_reductions(model, cp_group, dp_group, tp_group, sp_params)
+    in_backward = None
+    if args.overlap_grad_reduce:
+        in_backward = GradReduceInBackward([(param, *groups[0]) for param, groups in reductions if len(groups) == 1])
+        reductions = [(param, groups) for param, groups in reductions if len(groups) > 1]
     attention_memory = AttentionMemory(model)
     # Counted in step 2, not step 1: whatever runs only at a first call (warm-up, trials) is no
     # part of what a training step keeps.
@@ -360,23 +425,14 @@ def main():
             per_token_loss = model(tokens, positions, mask, labels=labels)  # [b, s / CP]
         loss = (per_token_loss * loss_mask).sum() / tokens_in_batch
         loss.backward()
-        # Each rank holds the gradient of its own sequence shard: sum over the context-parallel
-        # group for every parameter, and for the replicated sequence-parallel parameters (layer
-        # norms) over the tensor-parallel group too.
-        for param in model.parameters():
-            if param.grad is not None and cp_size > 1:
-                dist.all_reduce(param.grad, group=cp_group)
-        # Data parallelism (what Megatron's DDP does): the mean gradient over the model replicas; an
-        # expert's over the ranks that hold the same expert.
-        for name, param in model.named_parameters():
-            expert = ".local_experts." in name
-            group = parallel_state.get_expert_data_parallel_group() if expert else dp_group
-            if param.grad is not None and group.size() > 1:
-                dist.all_reduce(param.grad, group=group)
-                param.grad /= group.size()
-        for param in sp_params:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=tp_group)
+        if in_backward is not None:
+            in_backward.finish()
+        for param, groups in reductions:  # gradient_reductions: those not reduced during the backward
+            for group, divisor in groups:
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=group)
+                    if divisor != 1:
+                        param.grad /= divisor
         optimizer.step()
         step_times.append(time.perf_counter() - start)
         loss = loss.detach()

@@ -35,6 +35,10 @@ def runs(tmp_path_factory):
         # suites parse that variable); auto by the environment.
         "pieces": (coc("pieces"), ["--moe-alltoall-overlap-comm"]),
         "auto": (coc("auto", COC_MOE_OVERLAP="auto"), []),
+        # The data-parallel gradient all-reduce during the backward (Megatron's DDP --overlap-grad-reduce,
+        # make demo's MoE job): post-accumulate hooks fire once per parameter beside the pieces' gradients.
+        "auto-overlap-grad-reduce": (coc("auto_overlap", COC_MOE_OVERLAP="auto"),
+                                                    ["--overlap-grad-reduce"]),
     }
     results = {}
     for name, (env, extra) in launches.items():
@@ -44,7 +48,7 @@ def runs(tmp_path_factory):
     return work, results
 
 
-@pytest.mark.parametrize("name", ["pieces", "auto"])
+@pytest.mark.parametrize("name", ["pieces", "auto", "auto-overlap-grad-reduce"])
 def test_losses_equal_off(runs, name):
     _, results = runs
     want, got = results["off"][1]["losses"], results[name][1]["losses"]
