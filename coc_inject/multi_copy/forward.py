@@ -47,7 +47,7 @@ class MultiCopy:
         reason = copies_moe.call_reason(block, arguments)
         if reason is not None:
             return reason, None
-        experts_auto = self.experts_auto and bool(copies_moe.moe_layers(block))
+        experts_auto = self.experts_auto and _has_pieces_layer(block)
         choices = auto.candidates(self.copies, self.auto, self.linears_auto, split.rows, split.most, experts_auto)
         if len(choices) > 1:
             split = auto.choose(self.installation.tuner(job.MULTI_COPY), block, original, arguments, split, choices)
@@ -104,3 +104,18 @@ def last_route(block) -> CopiesRoute | None:
 
 
 _last_routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> its last call's route
+
+
+def _has_pieces_layer(block) -> bool:
+    """Has ``block`` an MoE layer the MoE wing does not refuse (moe/guards.layer_reason: its construction)?
+    Where every one is refused, the copies' candidates with Megatron's dispatcher inside would repeat those
+    without: no trial for them. Decided once per block."""
+    found = _pieces_layers.get(block)
+    if found is None:
+        from coc_inject.moe import guards
+
+        found = _pieces_layers[block] = any(guards.layer_reason(layer) is None for layer in copies_moe.moe_layers(block))
+    return found
+
+
+_pieces_layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # block -> _has_pieces_layer

@@ -262,6 +262,32 @@ def test_every_wing_on_auto_tries_each_tuned_wing_inside_the_copies_and_megatron
     assert auto.candidates(2, False, False, rows=4, experts_auto=True) == [2, inside(2, Inner(experts=False))]
 
 
+def test_no_trial_with_megatrons_dispatcher_inside_where_every_moe_layer_is_refused(monkeypatch):
+    """A block whose MoE layers the MoE wing refuses (its construction: moe/guards.layer_reason) runs
+    Megatron's dispatcher inside the copies either way: the candidates with it inside would repeat those
+    without. Only a block with an MoE layer the wing accepts gets them."""
+    import types
+
+    from coc_inject.moe import guards
+    from coc_inject.multi_copy import forward
+
+    class MoELayer:  # lacks what the pieces read: refused ("MoELayer has no attribute 'config'")
+        pass
+
+    class Block:  # weakly referable, as a TransformerBlock is
+        def __init__(self, *mlps):
+            self.layers = [types.SimpleNamespace(mlp=mlp) for mlp in mlps]
+
+    block = Block
+
+    refused, dense = block(MoELayer(), MoELayer()), block(object())
+    assert guards.layer_reason(refused.layers[0].mlp) is not None
+    assert not forward._has_pieces_layer(refused) and not forward._has_pieces_layer(dense)
+    accepted = block(MoELayer(), MoELayer())
+    monkeypatch.setattr(guards, "layer_reason", lambda layer: None if layer is accepted.layers[1].mlp else "refused")
+    assert forward._has_pieces_layer(accepted)
+
+
 class FakeStream:
     def __init__(self, name, device_index):
         self.name, self.device_index = name, device_index
