@@ -74,10 +74,10 @@ def variant_runs(title, workdir, link, steps, script_args, rounds, variants, giv
     for round_ in range(rounds):
         for index, (name, extra) in enumerate(variants.items()):
             tag = f"run-{index}-{round_}"
-            env = clean_env() if not extra and measured is None else clean_env(
-                PYTHONPATH=str(SITE), COC_TUNE_CACHE=str(Path(workdir) / f"tune-{tag}.json"),
-                COC_REPORT=str(Path(workdir) / f"report-{tag}-{{rank}}.json"),
-                **({"COC_MEASURE": "1"} if measured is not None else {}), **extra)
+            env = clean_env() if not extra and measured is None else clean_env(**{  # a variant may name its own PYTHONPATH
+                "PYTHONPATH": str(SITE), "COC_TUNE_CACHE": str(Path(workdir) / f"tune-{tag}.json"),
+                "COC_REPORT": str(Path(workdir) / f"report-{tag}-{{rank}}.json"),
+                **({"COC_MEASURE": "1"} if measured is not None else {}), **extra})
             results[name].append(run(f"{name}: same command" + (" over the link" if link else ""), env, workdir,
                                      steps, link, script_args, name=tag))
             results[name][-1]["report"] = Path(workdir) / f"report-{tag}-0.json"

@@ -15,13 +15,17 @@ rank issues comm0(K), comm1(K), comm0(K-1), ... in program order, and on a devic
 issued after the other copy's kernels: that is the overlap. The gradient crossing a cut is read
 only after that wait (by the cut's node, its only consumer); a residual branch's joins it after.
 
-A sequence-parallel column linear's backward (Megatron's, and CoC's chunked one) also all-gathers its
-saved input again for the weight gradient and waits for it inside the same node, with only its own
-input-gradient matmuls in between: in the bands nothing else would be queued before that wait. So its gather is issued
+A sequence-parallel column linear's backward (Megatron's) also all-gathers its saved input again for
+the weight gradient and waits for it inside the same node, with only its own input-gradient matmul
+in between: in the bands nothing else would be queued before that wait. So its gather is issued
 ahead, by the cut opening the linear's band (before that cut's wait), into a buffer of its own
 (collectives.Gathered); the linear's own all-gather of the same input is served from it. The
 gather then overlaps the copy's segment up to the linear, as the other copy's compute overlapped it
-when the copies' backward ran on threads.
+when the copies' backward ran on threads. CoC's chunked column linear is not gathered ahead: its band
+also holds CoC's row linear, whose chunked all-gathers (no cut of their own) would queue behind a gather
+issued at the band start on the same group, in order on gloo and NCCL alike (tried: the GPT step with 2
+copies and 4 chunks, 0.945x; benchmarks/RESULTS.md). Its own backward issues the re-gather ahead of its
+dgrad chunks.
 
 The parameters' gradients accumulate as they do without copies: one AccumulateGrad per parameter,
 run once with the copies' gradients summed, with its hooks (Megatron's DDP hears of it once). A
@@ -79,14 +83,11 @@ class Segmented(Copies):
 
     def start_band(self, cut_node) -> None:
         """A cut's node starts its copy's band: the gathers of that band's column linear, issued now."""
-        self.gather_ahead(cut_node.copy, self.band_gathers.pop(id(cut_node), ()))
-
-    def gather_ahead(self, copy: int, entries) -> None:
-        """Issue ``copy``'s gathers ``entries`` ((tensor, group) each) now, for its linears to be served."""
+        entries = self.band_gathers.pop(id(cut_node), ())
         self._issuing = True
         try:
             for tensor, group in entries:
-                self.gathered[copy].append(collectives.Gathered(tensor, group))
+                self.gathered[cut_node.copy].append(collectives.Gathered(tensor, group))
         finally:
             self._issuing = False
 
@@ -113,21 +114,15 @@ class Segmented(Copies):
 
 
 def gathers_input(node) -> bool:
-    """Does ``node`` all-gather its saved input again in its backward: Megatron's sequence-parallel
-    column linear (the weight gradient computed there: no deferral buffer) or CoC's chunked one
-    (pipeline/functions.AllGatherMatmul without the gathered input kept)?"""
-    if getattr(node, "regathers_input", False) is True:  # CoC's: its ctx says so
-        return getattr(node, "group", None) is not None
+    """Is ``node`` Megatron's column linear whose backward all-gathers its saved input (sequence
+    parallel, the weight gradient computed there: no deferral buffer)?"""
     return (type(node).__name__ == "LinearWithGradAccumulationAndAsyncCommunicationBackward"
             and getattr(node, "sequence_parallel", False) is True and getattr(node, "grad_output_buffer", 0) is None
             and _tp_group(node) is not None and getattr(node, "gtp_remat_size", 1) in (None, 0, 1))
 
 
 def _tp_group(node):
-    """The group the linear's backward all-gathers over: CoC's ``group``; Megatron's ``tp_group``
-    (0.13+), parallel_state's on 0.12."""
-    if getattr(node, "regathers_input", False) is True:
-        return node.group
+    """The group the linear's backward all-gathers over: its ``tp_group`` (0.13+), parallel_state's on 0.12."""
     from coc_inject.linears.guards import NO_GROUP, tp_group
 
     group = tp_group(node)
@@ -139,8 +134,7 @@ def bands(output: torch.Tensor, cuts: list, claimed: set | None = None) -> tuple
     where ``segments[k]`` lists segment k's nodes (cut nodes apart) and ``cut_nodes[k]`` the node of the
     cut opening segment k (None for segment 0), ``ends`` (node after a cut, kind) where that cut
     has exactly one such node, ``gathers`` (the cut node starting a band, tensor, group) for each
-    column linear that re-gathers its input in that band (None: the copy's last segment, whose band
-    starts the backward). ``cuts``: (sequence number, node, kind) in
+    column linear that re-gathers its input in that band. ``cuts``: (sequence number, node, kind) in
     forward order (cuts.CutPoint: with the input a column linear may gather). ``claimed``:
     the nodes (ids) of the copies walked before, left out and added to (a sequence copy's attention
     reaches into the earlier copies' graphs, meeting.py: those nodes keep their own copy's band)."""
@@ -172,11 +166,9 @@ def bands(output: torch.Tensor, cuts: list, claimed: set | None = None) -> tuple
         if len(found) == 1:  # two would sum the deferred gradient before the wait: leave that cut's waits be
             ends.append((found[0], kind))
             tensor = getattr(point, "input", None)
-            # The linear is the first node of segment index + 1, whose band the next cut's node starts
-            # (None: the last segment, whose band starts the backward).
-            if kind == REDUCE and tensor is not None and gathers_input(found[0]):
-                opening = cuts[index + 1][1] if index + 1 < len(cuts) else None
-                gathers.append((opening, tensor, _tp_group(found[0])))
+            # The linear is the first node of segment index + 1, whose band the next cut's node starts.
+            if kind == REDUCE and tensor is not None and index + 1 < len(cuts) and gathers_input(found[0]):
+                gathers.append((cuts[index + 1][1], tensor, _tp_group(found[0])))
     return segments, cut_nodes, ends, gathers
 
 
@@ -208,20 +200,15 @@ def backward(outputs: list, grad_outputs: list, pieces: list, cuts: list, params
     claimed: set = set()
     per_copy = [bands(output, copy_cuts, claimed) for output, copy_cuts in zip(outputs, cuts)]
     run.copy_of_node = renumber(per_copy)
-    handles, first_bands = [], []
+    handles = []
     for copy, (_, _, ends, gathers) in enumerate(per_copy):
         for node, kind in ends:
             handles += run.ending(node, kind, copy)
         for cut_node, tensor, group in gathers:
-            if cut_node is None:  # a linear in the copy's last segment: its band starts the backward
-                first_bands.append((copy, (tensor, group)))
-            else:
-                run.band_gathers.setdefault(id(cut_node), []).append((tensor, group))
+            run.band_gathers.setdefault(id(cut_node), []).append((tensor, group))
     outer, outer_index = copy_context.current(), copy_context.current_copy()
     copy_context.enter(run, None)
     try:
-        for copy, entry in first_bands:  # in copy order: the same on every rank
-            run.gather_ahead(copy, [entry])
         if params:
             grads = torch.autograd.grad(outputs, [*pieces, *params], grad_outputs, allow_unused=True)
             grad_pieces, grad_params = list(grads[:n]), list(grads[n:])

@@ -193,8 +193,6 @@ class AllGatherMatmul(torch.autograd.Function):
         keep_gathered = wgrad.needed and not recompute_all_gather
         ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
         ctx.chunks, ctx.group, ctx.wgrad = chunks, group, wgrad
-        # The backward all-gathers x again over ctx.group (copies issue it ahead: multi_copy/segments.py).
-        ctx.regathers_input = wgrad.needed and not keep_gathered
         ctx.mark_non_differentiable(gathered)
         return result, gathered
 
@@ -331,6 +329,5 @@ class FusedAllGatherMatmul(AllGatherMatmul):
         keep_gathered = wgrad.needed and not recompute_all_gather
         ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
         ctx.chunks, ctx.group, ctx.wgrad = kernel.backward_chunks, group, wgrad
-        ctx.regathers_input = wgrad.needed and not keep_gathered
         ctx.mark_non_differentiable(gathered)
         return out, gathered
