@@ -59,6 +59,29 @@ MEGATRON_ALIASES = {
 }
 
 
+def async_op_index(function) -> int | None:
+    """Where ``function`` (a collective, or whatever wraps one in place) takes ``async_op`` positionally;
+    None where only by keyword (``def call(*args, async_op=False, **kwargs)``, another tool's wrapper) or
+    not at all. Read through ``__wrapped__``; made once per function by the callers (signatures are slow)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for index, parameter in enumerate(parameters):
+        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            return None  # *args or keyword-only from here on
+        if parameter.name == "async_op":
+            return index
+    return None
+
+
+def is_async(async_index: int | None, args, kwargs) -> bool:
+    """Did this call ask for a handle (``async_op``, by keyword or at ``async_index``)?"""
+    if async_index is not None and len(args) > async_index:
+        return bool(args[async_index])
+    return bool(kwargs.get("async_op", False))
+
+
 def _sites(make, names, import_aliases: bool) -> list:
     """``(owner, attribute, replacement)`` for each collective in ``names`` that ``make(name, what_was_there)``
     replaces (None: left as it is), in torch.distributed and in every Megatron alias holding it: in the

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
-from coc_inject import meter
+from coc_inject import dist_interception, meter
 from coc_inject.measure import attribution, clocks
 from coc_inject.measure.records import Collective
 
@@ -82,6 +82,7 @@ class MeteredWork:
 
 def wrapper(exposure, name: str, original):
     """``original`` (a torch.distributed collective) measured into ``exposure`` while it records."""
+    async_index = dist_interception.async_op_index(original)
 
     def metered(*args, **kwargs):
         if not exposure.recording or exposure.paused():
@@ -114,7 +115,7 @@ def wrapper(exposure, name: str, original):
             if profiled is not None:
                 profiled.__exit__(None, None, None)
         exposure.add(record)
-        asynchronous = kwargs.get("async_op", False) or name == "batch_isend_irecv"
+        asynchronous = dist_interception.is_async(async_index, args, kwargs) or name == "batch_isend_irecv"
         if not asynchronous:  # waited for in the call
             if clock is None:
                 end = meter.now()

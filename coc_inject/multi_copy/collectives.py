@@ -137,7 +137,7 @@ def wrap(original):
         parameters = list(inspect.signature(original).parameters)
     except (TypeError, ValueError):
         parameters = []
-    async_index = parameters.index("async_op") if "async_op" in parameters else None
+    async_index = dist_interception.async_op_index(original)  # None: by keyword only (another tool's wrapper)
     name = getattr(inspect.unwrap(original), "__name__", "")
     kind = KINDS.get(name)
     # one output tensor: may be gathered ahead (the chunked linears' all_gather_single included)
@@ -148,11 +148,10 @@ def wrap(original):
         run = copy_context.current()
         if run is None:
             return original(*args, **kwargs)
+        wants_handle = dist_interception.is_async(async_index, args, kwargs)
         if async_index is not None and len(args) > async_index:
-            wants_handle = bool(args[async_index])
             args = args[:async_index] + (True,) + args[async_index + 1:]
         else:
-            wants_handle = bool(kwargs.get("async_op", False))
             kwargs["async_op"] = True
         work = _served(run, args, kwargs) if served else None  # gathered ahead: nothing to issue
         if work is None and run.defers(kind):

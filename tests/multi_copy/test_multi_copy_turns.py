@@ -401,3 +401,53 @@ def test_every_collective_function_of_torch_is_replaced_or_said_why_not():
     for name in ("all_gather_single", "reduce_scatter_single"):
         if hasattr(dist, name):  # the copies intercept the forms the chunked pipeline issues, by kind
             assert name in dist_interception.EVERY_COLLECTIVE and name in cuts.KINDS
+
+
+def test_async_op_is_found_where_the_function_in_place_takes_it():
+    """Another tool's wrapper in torch.distributed's place (the compute-only twin's no-op, a profiler's
+    ``call(*args, async_op=False, **kwargs)``) takes async_op by keyword only: the copies' wrapper and the
+    meter then read it from the keywords, never from a positional tensor (the copies over the twin failed
+    with "Boolean value of Tensor with more than one value is ambiguous")."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from coc_inject import dist_interception
+    from coc_inject.multi_copy import collectives
+
+    def keyword_only(*args, async_op=False, **kwargs):
+        return ("handle", args) if async_op else None
+
+    @functools.wraps(dist.all_reduce)
+    def wrapping(*args, **kwargs):  # a wrapper naming its original: read through __wrapped__
+        return None
+
+    assert dist_interception.async_op_index(dist.all_reduce) == 3
+    assert dist_interception.async_op_index(wrapping) == 3
+    assert dist_interception.async_op_index(keyword_only) is None
+    tensor = torch.ones(4)
+    assert not dist_interception.is_async(None, (tensor, tensor), {})
+    assert dist_interception.is_async(None, (tensor, tensor), {"async_op": True})
+    assert dist_interception.is_async(3, (tensor, None, None, True), {})
+
+    class Run:  # a copy's run: every collective started asynchronously, its handle taken as it is
+        def defers(self, kind):
+            return False
+
+        def handle(self, work):
+            return work
+
+    wrapped = collectives.wrap(keyword_only)
+    entered = copy_context_entered(Run())
+    try:
+        assert wrapped(tensor, tensor, async_op=True) == ("handle", (tensor, tensor))
+    finally:
+        entered()
+
+
+def copy_context_entered(run):
+    from coc_inject import copy_context
+
+    copy_context.enter(run, 0)
+    return copy_context.leave
