@@ -428,7 +428,10 @@ def print_copies(report_path, extra) -> None:
                                              ("dispatcher", decision.get("experts_in_pieces", True))) if not kept]
         chose = ("no copies" if decision["copies"] == 1 else f"{decision['copies']} copies"
                  + (f", Megatron's {' and '.join(megatrons)}" if megatrons else ""))
-        print(f"   auto: {decision['key']} -> {chose} ({decision['source']}: {times})")
+        again = ", ".join(f"{'no copies' if c == '1' else c + ' copies' if c.isdigit() else c} {t:.1f} ms"
+                          for c, t in decision.get("confirmation_ms", {}).items())
+        print(f"   auto: {decision['key']} -> {chose} ({decision['source']}: {times}"
+              + (f"; the winner again: {again}" if again else "") + ")")
 
 
 if __name__ == "__main__":

@@ -220,7 +220,9 @@ def report(coverage) -> dict:
             {"key": key.text(), "copies": copies_of(decision.choice), "linears_chunked": inner_of(decision.choice).linears,
              "experts_in_pieces": inner_of(decision.choice).experts,
              "split": key.split, "source": decision.source,
-             "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()}}
+             "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()},
+             # the winner timed again against no copies (many candidates: multi_copy/auto.CONFIRMED_ABOVE)
+             "confirmation_ms": {str(c): round(t, 4) for c, t in (decision.confirmation_ms or {}).items()}}
             for key, decision in coverage.copies_decisions().items()],
         "moe_decisions": [
             {"key": key.text(), "choice": key.name(decision.choice), "chunks": decision.choice,

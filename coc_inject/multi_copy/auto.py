@@ -66,6 +66,10 @@ class CopiesKey:
 # COC_MULTI_COPY=auto's copy counts (those that divide the micro-batch): finer turns hide more
 # where the network is slow (benchmarks/RESULTS.md, "COC_MULTI_COPY=auto").
 AUTO_COPIES = (2, 4)
+# Above this many candidates (baseline included) a winner is confirmed in a second round (Tuner.decide): the
+# fastest of many noisy trials is flattered by its draw (every wing auto over loopback: 2 copies with
+# Megatron's linears won its trials by 3.6% and ran the MoE step 0.92x as fast; benchmarks/RESULTS.md).
+CONFIRMED_ABOVE = 3
 
 
 def candidates(copies: int, copies_auto: bool, linears_auto: bool, rows: int, most: int | None = None,
@@ -147,7 +151,10 @@ def choose(tuner, block, original, arguments: dict, split, choices: list):
 
     moe_group = copies_moe.trial_group(block)  # an MoE block's all-to-alls reach beyond TP x CP
     with copies_moe.routers_as_found(block):
+        # More than two candidates beside the baseline (every wing on auto: each wing inside or Megatron's
+        # path): the winner is timed again against the baseline before the block runs it (the winner's curse).
         choice = tuner.decide(key, moe_group or group_of(block), hidden.device, choices, choices[0], trial,
-                              group_name="TPxCP" if moe_group is None else "TPxDPxCP", touches=(block,))
+                              group_name="TPxCP" if moe_group is None else "TPxDPxCP", touches=(block,),
+                              confirm=len(choices) > CONFIRMED_ABOVE)
     return split_for(choice, split)
 

@@ -92,6 +92,7 @@ class Decision:
     source: str  # "trials" | "cache" | "deterministic default"
     times_ms: dict  # candidate -> median ms (trials only)
     noise_ms: float = 0.0
+    confirmation_ms: dict | None = None  # the second round's medians, baseline and first winner (confirm=True)
 
     @property
     def chunks(self) -> int:
@@ -102,6 +103,10 @@ class Decision:
         if self.times_ms:
             times = ", ".join(f"{key.candidate(c)} {t:.2f} ms" for c, t in self.times_ms.items())
             text += f": {times}; noise {self.noise_ms:.2f} ms; median of {TIMED_ROUNDS} runs, max over ranks"
+            if self.confirmation_ms:
+                again = ", ".join(f"{key.candidate(c)} {t:.2f} ms" for c, t in self.confirmation_ms.items())
+                confirmed = self.choice == list(self.confirmation_ms)[-1]  # (baseline, first winner)
+                text += f"; a second round {again}: {'confirmed' if confirmed else 'not confirmed, the baseline kept'}"
         return text + ")"
 
 
@@ -151,16 +156,19 @@ class Tuner:
         return self.decide(key, group, device, candidates, 1, run, touches=touches)
 
     def decide(self, key, group, device: torch.device, candidates: list, baseline, run: Callable,
-               group_name: str = "TP", touches=()):
+               group_name: str = "TP", touches=(), confirm: bool = False):
         """The choice for ``key`` among ``candidates`` (``run(candidate)`` runs one trial), made once.
-        ``touches``: the modules the trials run (each trial leaves them as found: coc_inject.trial)."""
+        ``touches``: the modules the trials run (each trial leaves them as found: coc_inject.trial).
+        ``confirm``: a winner other than the baseline is timed again against it in a second round of fresh
+        runs and kept only if it wins that too (the fastest of many noisy candidates is flattered by its
+        draw: the winner's curse)."""
         decision = self.decisions.get(key)
         if decision is None:
             decision = self.decisions[key] = self._decide(key, group, device, candidates, baseline, run, group_name,
-                                                          touches)
+                                                          touches, confirm)
         return decision.choice
 
-    def _decide(self, key, group, device, candidates, baseline, run, group_name, touches) -> Decision:
+    def _decide(self, key, group, device, candidates, baseline, run, group_name, touches, confirm=False) -> Decision:
         identity = hardware_identity(device, group, group_name)
         cached = self._agreed_cached(key, identity, group, device, candidates)
         if cached is not None:
@@ -171,8 +179,13 @@ class Tuner:
         else:
             samples = self._trials(candidates, group, device, run, key.WARM_UPS, touches)
             choice, noise = choose(samples, baseline)
+            confirmation = None
+            if confirm and choice != baseline:  # every rank has the same choice (max over ranks): the same runs
+                again = self._trials([baseline, choice], group, device, run, 0, touches)
+                choice, _ = choose(again, baseline)
+                confirmation = {c: statistics.median(v) * 1e3 for c, v in again.items()}
             decision = Decision(choice, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
-                                noise * 1e3)
+                                noise * 1e3, confirmation)
             if self.cache is not None and group.rank() == 0:
                 self.cache.put(self.cache.key(key, identity), choice, decision.times_ms)
         level = logging.INFO if dist.get_rank() == 0 else logging.DEBUG

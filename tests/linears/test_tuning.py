@@ -3,6 +3,7 @@ gloo ranks: equal results to unpatched Megatron, identical decisions on every ra
 rank's timings are skewed, cached decisions run no trials, deterministic mode."""
 
 import json
+import statistics
 import multiprocessing
 import os
 
@@ -196,3 +197,37 @@ def test_cli_modes_accept_auto():
     assert toggles("4")["COC_PARALLEL_NUM"] == "4"
     with pytest.raises(SystemExit, match="'auto', 'fused' or 'off'"):
         toggles("autotune")
+
+
+@pytest.mark.parametrize("second_round,expected", [
+    ({1: [10, 10, 10], 2: [10.1, 10.1, 10.1]}, 1),  # the first round's winner was its draw: the baseline kept
+    ({1: [10, 10, 10], 2: [9, 9, 9]}, 2),           # it wins again: confirmed
+])
+def test_a_winner_among_many_candidates_is_confirmed_by_a_second_round(monkeypatch, second_round, expected):
+    """confirm=True (multi-copy's trials with every wing on auto): the fastest of many noisy candidates
+    is timed again against the baseline and kept only if it wins that round too; without confirm one
+    round decides."""
+    import torch
+
+    from coc_inject.config import CocConfig
+
+    first_round = {1: [10, 10, 10], 2: [9.5, 9.5, 9.5], 4: [9.8, 9.8, 9.8], 8: [9.9, 9.9, 9.9]}
+    asked = []
+
+    def trials(self, candidates, *rest):
+        asked.append(list(candidates))
+        return first_round if len(asked) == 1 else second_round
+
+    monkeypatch.setattr(tuning.Tuner, "_trials", trials)
+    monkeypatch.setattr(tuning.Tuner, "_agreed_cached", lambda *args: None)
+    monkeypatch.setattr(tuning, "hardware_identity", lambda *args: "test host")
+    monkeypatch.setattr(tuning.dist, "get_rank", lambda: 0)
+    tuner = tuning.Tuner(CocConfig(), None)
+    assert tuner.decide(KEY, None, torch.device("cpu"), [1, 2, 4, 8], 1, None, confirm=True) == expected
+    assert asked == [[1, 2, 4, 8], [1, 2]]
+    assert tuner.decisions[KEY].confirmation_ms == {c: 1e3 * statistics.median(v) for c, v in second_round.items()}
+    assert (": confirmed" if expected == 2 else ": not confirmed") in tuner.decisions[KEY].describe(KEY)
+    asked.clear()
+    other = DecisionKey("row", 64, 32, 32, "float32", 2, "cpu", True)
+    assert tuner.decide(other, None, torch.device("cpu"), [1, 2, 4, 8], 1, None) == 2  # one round decides
+    assert asked == [[1, 2, 4, 8]]
