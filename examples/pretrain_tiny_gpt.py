@@ -297,6 +297,8 @@ def gradient_reductions(model, cp_group, dp_group, tp_group, sp_params):
     sequence_parallel = {id(param) for param in sp_params}
     reductions = []
     for name, param in model.named_parameters():
+        if not param.requires_grad:  # no gradient to reduce (and no hook to take)
+            continue
         groups = [] if cp_group.size() == 1 else [(cp_group, 1)]
         data = parallel_state.get_expert_data_parallel_group() if ".local_experts." in name else dp_group
         groups += [] if data.size() == 1 else [(data, data.size())]

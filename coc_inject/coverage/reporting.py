@@ -221,7 +221,7 @@ def report(coverage) -> dict:
              "experts_in_pieces": inner_of(decision.choice).experts,
              "split": key.split, "source": decision.source,
              "times_ms": {str(c): round(t, 4) for c, t in decision.times_ms.items()},
-             # the winner timed again against no copies (many candidates: multi_copy/auto.CONFIRMED_ABOVE)
+             # the winner timed again against the baseline, the first candidate (multi_copy/auto.CONFIRMED_ABOVE)
              "confirmation_ms": {str(c): round(t, 4) for c, t in (decision.confirmation_ms or {}).items()}}
             for key, decision in coverage.copies_decisions().items()],
         "moe_decisions": [
