@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import time
 import traceback
+from multiprocessing import connection
 
 from coc_inject.testbed.ranks import free_port, rank_context, without_coc_variables
 
@@ -76,36 +78,60 @@ def reinitialize_model_parallel(**kwargs) -> None:
     parallel_state.initialize_model_parallel(**kwargs)
 
 
+STARTUP_ATTEMPTS = 3
+AFTER_A_FAILURE_S = 5.0  # how long the other ranks' answers are awaited once one rank failed
+
+
 class RankPool:
     def __init__(self, world_size: int, timeout: float = 180.0):
         self.world_size = world_size
         self.broken = None
         self.timeout = timeout
+        for attempt in range(STARTUP_ATTEMPTS):
+            try:
+                self._start(free_port())
+                return
+            except RuntimeError as error:
+                # free_port's port taken meanwhile by another process (make test runs two releases' suites
+                # side by side): start again on another port; any other failure is the test's.
+                if "EADDRINUSE" not in str(error) or attempt + 1 == STARTUP_ATTEMPTS:
+                    raise
+                self.broken = None
+
+    def _start(self, port: int) -> None:
         context = rank_context()  # the product's: one fork server for the bench's ranks and these
-        port = free_port()
         self.conns, self.procs = [], []
         with without_coc_variables():  # workers start with CoC off; tests install configs explicitly
-            for rank in range(world_size):
+            for rank in range(self.world_size):
                 parent, child = context.Pipe()
-                proc = context.Process(target=_worker, args=(rank, world_size, port, child), daemon=True)
+                proc = context.Process(target=_worker, args=(rank, self.world_size, port, child), daemon=True)
                 proc.start()
                 self.conns.append(parent)
                 self.procs.append(proc)
         self._collect("startup")
 
     def _collect(self, what):
-        results, errors = [], []
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(self.timeout):
-                errors.append(f"rank {rank}: no answer to {what} within {self.timeout}s")
-                continue
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                status, value = "error", f"worker exited (exit code {self.procs[rank].exitcode})"
-            if status == "error":
-                errors.append(f"rank {rank}:\n{value}")
-            results.append(value)
+        pending = dict(enumerate(self.conns))
+        results, errors = {}, []
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            # Once a rank failed, its peers are likely blocked on it: their answers only briefly awaited.
+            left = deadline - time.monotonic() if not errors else min(deadline - time.monotonic(), AFTER_A_FAILURE_S)
+            ready = connection.wait(list(pending.values()), timeout=max(0.0, left))
+            if not ready:
+                break
+            for rank in [rank for rank, conn in pending.items() if conn in ready]:
+                try:
+                    status, value = pending.pop(rank).recv()
+                except EOFError:
+                    status, value = "error", f"worker exited (exit code {self.procs[rank].exitcode})"
+                if status == "error":
+                    errors.append(f"rank {rank}:\n{value}")
+                results[rank] = value
+        errors += [f"rank {rank}: no answer to {what} within {self.timeout}s" + (" (after another rank failed)"
+                                                                                 if errors else "")
+                   for rank in pending]
+        results = [results.get(rank) for rank in range(len(self.conns))]
         if errors:
             # A rank that failed mid-collective leaves its peers blocked: the pool is unusable.
             self.broken = f"{what} failed on a worker:\n" + "\n".join(errors)

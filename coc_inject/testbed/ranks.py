@@ -51,6 +51,9 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ
 
 
+STARTUP_ATTEMPTS = 3  # run_local's tries when free_port's port was taken before rank 0 listened on it
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -239,8 +242,14 @@ def run_local(setup: Setup, work, payload):
                 with link_module.EmulatedLink(setup.link) as link:
                     return run_local_ranks(_local_rank, setup.world, LINK_PORT, setup, link.names, work, payload,
                                            fresh=setup.fresh)
-            return run_local_ranks(_local_rank, setup.world, free_port(), setup, None, work, payload,
-                                   fresh=setup.fresh)
+            for attempt in range(STARTUP_ATTEMPTS):
+                try:
+                    return run_local_ranks(_local_rank, setup.world, free_port(), setup, None, work, payload,
+                                           fresh=setup.fresh)
+                except RuntimeError as error:
+                    # free_port's port taken meanwhile by another process: again on another port
+                    if "EADDRINUSE" not in str(error) or attempt + 1 == STARTUP_ATTEMPTS:
+                        raise
     except RuntimeError as error:
         raise SystemExit(f"{setup.command} failed:\n{error}") from None
 

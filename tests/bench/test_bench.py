@@ -263,3 +263,25 @@ def test_local_ranks_start_with_no_cuda_device_where_one_is_visible(monkeypatch)
 
 def _visible_devices(rank, world, port):
     return os.environ.get("CUDA_VISIBLE_DEVICES") if rank == 0 else None
+
+
+def test_a_rank_pool_whose_port_was_taken_meanwhile_starts_again_on_another(monkeypatch):
+    """make test runs two releases' suites side by side: the port free_port found may be taken before
+    rank 0 listens on it (EADDRINUSE at a pool's start-up, seen in a fresh-clone run). The pool starts
+    again on another port; the tests never see it."""
+    import socket
+
+    import dist_harness
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        given = [taken.getsockname()[1]]
+        real = dist_harness.free_port
+        monkeypatch.setattr(dist_harness, "free_port", lambda: given.pop() if given else real())
+        pool = dist_harness.RankPool(2)
+        try:
+            assert not given and pool.broken is None and len(pool.procs) == 2
+            assert pool.run("os:getpid") != [None, None]
+        finally:
+            pool.close()
