@@ -19,7 +19,7 @@ import time
 import traceback
 from multiprocessing import connection
 
-from coc_inject.testbed.ranks import free_port, rank_context, without_coc_variables
+from coc_inject.testbed.ranks import AFTER_A_FAILURE_S, on_a_free_port, rank_context, without_coc_variables
 
 
 def _resolve(path: str):
@@ -78,27 +78,15 @@ def reinitialize_model_parallel(**kwargs) -> None:
     parallel_state.initialize_model_parallel(**kwargs)
 
 
-STARTUP_ATTEMPTS = 3
-AFTER_A_FAILURE_S = 5.0  # how long the other ranks' answers are awaited once one rank failed
-
-
 class RankPool:
     def __init__(self, world_size: int, timeout: float = 180.0):
         self.world_size = world_size
         self.broken = None
         self.timeout = timeout
-        for attempt in range(STARTUP_ATTEMPTS):
-            try:
-                self._start(free_port())
-                return
-            except RuntimeError as error:
-                # free_port's port taken meanwhile by another process (make test runs two releases' suites
-                # side by side): start again on another port; any other failure is the test's.
-                if "EADDRINUSE" not in str(error) or attempt + 1 == STARTUP_ATTEMPTS:
-                    raise
-                self.broken = None
+        on_a_free_port(self._start)  # again on another port where another process took the first
 
     def _start(self, port: int) -> None:
+        self.broken = None
         context = rank_context()  # the product's: one fork server for the bench's ranks and these
         self.conns, self.procs = [], []
         with without_coc_variables():  # workers start with CoC off; tests install configs explicitly

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,13 +52,26 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ
 
 
-STARTUP_ATTEMPTS = 3  # run_local's tries when free_port's port was taken before rank 0 listened on it
+STARTUP_ATTEMPTS = 3  # on_a_free_port's tries
+AFTER_A_FAILURE_S = 5.0  # how long the other ranks' answers are awaited once one rank failed
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def on_a_free_port(start):
+    """``start(port)`` on a :func:`free_port`; again on another where another process took that port before
+    rank 0 listened on it (its RuntimeError names EADDRINUSE; e.g. make test's suites side by side). Any other
+    failure is raised as it is."""
+    for attempt in range(STARTUP_ATTEMPTS):
+        try:
+            return start(free_port())
+        except RuntimeError as error:
+            if "EADDRINUSE" not in str(error) or attempt + 1 == STARTUP_ATTEMPTS:
+                raise
 
 
 @contextmanager
@@ -82,13 +96,20 @@ def _entry(worker, rank, world, port, queue, args):
 
 def _answers(queue, procs) -> list:
     """Every rank's (status, value); a rank that died without one (killed, crashed before
-    _entry: e.g. a script without an ``if __name__ == "__main__"`` guard) stops the run."""
+    _entry: e.g. a script without an ``if __name__ == "__main__"`` guard) stops the run. Once a rank
+    reported an error, the others are awaited AFTER_A_FAILURE_S more, then killed (likely blocked on it)."""
     from queue import Empty
 
-    answers = []
+    answers, failed_at = [], None
     while len(answers) < len(procs):
+        if failed_at is not None and time.monotonic() - failed_at > AFTER_A_FAILURE_S:
+            for proc in procs:
+                proc.kill()
+            break
         try:
             answers.append(queue.get(timeout=1.0))
+            if answers[-1][0] == "error" and failed_at is None:
+                failed_at = time.monotonic()
         except Empty:
             dead = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
             if dead and queue.empty():
@@ -242,14 +263,8 @@ def run_local(setup: Setup, work, payload):
                 with link_module.EmulatedLink(setup.link) as link:
                     return run_local_ranks(_local_rank, setup.world, LINK_PORT, setup, link.names, work, payload,
                                            fresh=setup.fresh)
-            for attempt in range(STARTUP_ATTEMPTS):
-                try:
-                    return run_local_ranks(_local_rank, setup.world, free_port(), setup, None, work, payload,
-                                           fresh=setup.fresh)
-                except RuntimeError as error:
-                    # free_port's port taken meanwhile by another process: again on another port
-                    if "EADDRINUSE" not in str(error) or attempt + 1 == STARTUP_ATTEMPTS:
-                        raise
+            return on_a_free_port(lambda port: run_local_ranks(_local_rank, setup.world, port, setup, None, work,
+                                                               payload, fresh=setup.fresh))
     except RuntimeError as error:
         raise SystemExit(f"{setup.command} failed:\n{error}") from None
 

@@ -265,20 +265,37 @@ def _visible_devices(rank, world, port):
     return os.environ.get("CUDA_VISIBLE_DEVICES") if rank == 0 else None
 
 
-def test_a_rank_pool_whose_port_was_taken_meanwhile_starts_again_on_another(monkeypatch):
+def _joins_a_group(rank, world, port):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        return dist.get_world_size() if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("starts", ["the tests' rank pool", "the bench's local ranks"])
+def test_ranks_whose_port_was_taken_meanwhile_start_again_on_another(monkeypatch, starts):
     """make test runs two releases' suites side by side: the port free_port found may be taken before
-    rank 0 listens on it (EADDRINUSE at a pool's start-up, seen in a fresh-clone run). The pool starts
-    again on another port; the tests never see it."""
+    rank 0 listens on it (EADDRINUSE at a pool's start-up, seen in a fresh-clone run). The ranks start
+    again on another port (ranks.on_a_free_port), the other rank, blocked on the lost one, given up on
+    a few seconds after rank 0 failed."""
     import socket
 
     import dist_harness
+    from coc_inject.testbed import ranks
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         given = [taken.getsockname()[1]]
-        real = dist_harness.free_port
-        monkeypatch.setattr(dist_harness, "free_port", lambda: given.pop() if given else real())
+        real = ranks.free_port
+        monkeypatch.setattr(ranks, "free_port", lambda: given.pop() if given else real())
+        if starts == "the bench's local ranks":
+            assert ranks.on_a_free_port(lambda port: ranks.run_local_ranks(_joins_a_group, 2, port)) == 2
+            assert not given
+            return
         pool = dist_harness.RankPool(2)
         try:
             assert not given and pool.broken is None and len(pool.procs) == 2
