@@ -142,6 +142,7 @@ device-check:
 	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(DEVICE_PYTHON) -m torch.distributed.run --nproc-per-node $(GPUS) \
 		-m coc_inject.selftest --json $(DEVICE_OUT)/selftest-gpu.json
 	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(DEVICE_PYTHON) benchmarks/device_timer.py
+	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(DEVICE_PYTHON) benchmarks/wgrad_device.py --json $(DEVICE_OUT)/wgrad.json
 	PYTHONPATH=$(DEVICE_SITE):$(CURDIR) $(DEVICE_PYTHON) -m coc_inject selftest --json $(DEVICE_OUT)/selftest-cpu.json
 
 # venv + pinned torch + megatron-core ($(2): pip arguments that install it; $(3): its

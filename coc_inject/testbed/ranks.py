@@ -196,10 +196,16 @@ def run_local_ranks(worker, world: int, port: int, *args, fresh: bool = False):
 def torchrun_device(npu_variable: str):
     """``(device, backend)`` for this torchrun rank, made current: CUDA with NCCL if present; an
     Ascend NPU with HCCL when ``npu_variable`` is set to "npu" (torch_npu is imported only then:
-    without the CANN libraries it breaks ``import torch``); else the CPU with gloo."""
+    without the CANN libraries it breaks ``import torch``); else the CPU with gloo.
+    ``npu_variable=cuda-gloo``: CUDA with gloo, ranks sharing the GPUs there are (NCCL refuses two
+    ranks on one GPU): the multi-rank cases on real device kernels and streams where fewer GPUs are lent."""
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if os.environ.get(npu_variable) == "cuda-gloo":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device, "gloo"
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
