@@ -11,8 +11,8 @@ nvidia-smi -L; python3 -c "import torch, megatron.core as m; print('torch', torc
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s) $(date +%T)"; timeout "$limit" "$@"; echo "=== rc $? $(date +%T)"; }
 step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
 step 45 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/gloo_cuda_probe.py
-COC_SELFTEST_DEVICE=cuda-gloo step 150 python3 -m torch.distributed.run --nproc-per-node 2 -m coc_inject.selftest \
+step 150 env COC_SELFTEST_DEVICE=cuda-gloo python3 -m torch.distributed.run --nproc-per-node 2 -m coc_inject.selftest \
     --json "$OUT/selftest-cuda-gloo-2.json"
-COC_SELFTEST_DEVICE=cuda-gloo step 90 python3 -m torch.distributed.run --nproc-per-node 4 -m coc_inject.selftest \
+step 90 env COC_SELFTEST_DEVICE=cuda-gloo python3 -m torch.distributed.run --nproc-per-node 4 -m coc_inject.selftest \
     --cases context-parallel --json "$OUT/selftest-cuda-gloo-4.json"
 step 75 python3 -m torch.distributed.run --nproc-per-node 1 -m coc_inject.selftest --json "$OUT/selftest-gpu-1.json"
