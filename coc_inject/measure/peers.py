@@ -32,9 +32,25 @@ def separate(records: list) -> None:
         if record.marks is None and record.handle is not NO_GROUP and record.op not in POINT_TO_POINT:
             by_group.setdefault(id(record.handle), (record.handle, []))[1].append(record)
     for handle, rows in by_group.values():
-        # the host clock's figures: CPU ranks, whose groups take CPU tensors (a device's clock never comes here)
-        in_flight = torch.tensor([r.finished - r.issued for r in rows], dtype=torch.float64, device="cpu")
-        fastest = in_flight.clone()
+        in_flight = torch.tensor([r.finished - r.issued for r in rows], dtype=torch.float64)
+        fastest = in_flight.to(reduce_device(handle), copy=True)  # a copy: the reduce is in place
         dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=handle)
         for record, mine, least in zip(rows, in_flight.tolist(), fastest.tolist()):
             record.skew = max(0.0, mine - least)
+
+
+def reduce_device(group):
+    """The device whose tensors ``group``'s backend takes: the CPU where it has a CPU backend (gloo),
+    else its accelerator's current device. Host-clock records come from CPU ranks, and also from
+    host-side collectives on a device job's group (the self-test's sleep-backed one on NCCL refused
+    a CPU tensor: 'No backend type associated with device type cpu', seen on an H100)."""
+    import torch
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    types = [torch.device(kind).type for kind in getattr(group, "_device_types", ())]
+    if not types or "cpu" in types:
+        return torch.device("cpu")
+    module = getattr(torch, types[0], None)
+    current = getattr(module, "current_device", None)
+    return torch.device(types[0], current()) if current is not None else torch.device(types[0])
