@@ -1,18 +1,25 @@
 #!/bin/bash
 # One device lease's checks, most wanted first, each under its own time limit (a lent machine has
-# minutes, not hours): #44 item 6's weight gradient, which collectives gloo moves as CUDA tensors,
-# the self-test's multi-rank cases on real kernels with 2 (then 4) ranks sharing the GPU over gloo
-# (COC_SELFTEST_DEVICE=cuda-gloo), then make device-check's one-rank cases. Outputs land in $OUT
-# (the device tool's folder) or benchmarks/out/device.
+# minutes, not hours). ROUND=wgrad: #44 item 6's weight gradient (benchmarks/wgrad_device.py).
+# ROUND=ranks (default): which collectives gloo moves as CUDA tensors, then the self-test's
+# multi-rank cases on real kernels with 2 (then 4) ranks sharing the GPU over gloo
+# (COC_SELFTEST_DEVICE=cuda-gloo), one wing per run so that one abort loses one wing, then the
+# one-rank cases over NCCL. Outputs land in $OUT (the device tool's folder) or benchmarks/out/device.
 OUT=${OUT:-benchmarks/out/device}; mkdir -p "$OUT" /tmp/coc-device-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/coc-device-site .whl/*.whl
 export PYTHONPATH=/tmp/coc-device-site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L; python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"
 step() { local limit=$1; shift; echo "=== $* (limit ${limit}s) $(date +%T)"; timeout "$limit" "$@"; echo "=== rc $? $(date +%T)"; }
-step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
-step 45 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/gloo_cuda_probe.py
-step 150 env COC_SELFTEST_DEVICE=cuda-gloo python3 -m torch.distributed.run --nproc-per-node 2 -m coc_inject.selftest \
-    --json "$OUT/selftest-cuda-gloo-2.json"
-step 90 env COC_SELFTEST_DEVICE=cuda-gloo python3 -m torch.distributed.run --nproc-per-node 4 -m coc_inject.selftest \
-    --cases context-parallel --json "$OUT/selftest-cuda-gloo-4.json"
-step 75 python3 -m torch.distributed.run --nproc-per-node 1 -m coc_inject.selftest --json "$OUT/selftest-gpu-1.json"
+run="python3 -m torch.distributed.run"
+if [ "${ROUND:-ranks}" = wgrad ]; then
+    step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
+    exit
+fi
+step 40 $run --nproc-per-node 2 benchmarks/gloo_cuda_probe.py
+for wing in linears multi-copy moe context-parallel meter; do
+    step 90 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 2 -m coc_inject.selftest --cases $wing \
+        --json "$OUT/selftest-cuda-gloo-2-$wing.json"
+done
+step 60 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 4 -m coc_inject.selftest --cases context-parallel \
+    --json "$OUT/selftest-cuda-gloo-4-context-parallel.json"
+step 75 $run --nproc-per-node 1 -m coc_inject.selftest --json "$OUT/selftest-gpu-1.json"

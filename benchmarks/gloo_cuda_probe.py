@@ -80,7 +80,6 @@ def send_recv_ring():
     return recv, torch.arange(8, device=device, dtype=dtype) + 100 * ((rank - 1) % world)
 
 
-lines = []
 for probe in (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single,
               all_to_all_single_uneven, all_gather_list, broadcast, send_recv_ring):
     try:
@@ -91,7 +90,6 @@ for probe in (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, all_to_
     except Exception as error:  # noqa: BLE001 -- the probe reports every failure, whatever it is
         verdict = f"ERROR {type(error).__name__}: {str(error).splitlines()[0][:160]}"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    lines.append(f"gloo on {device} ({name}), rank {rank}: {probe.__name__}: {verdict}")
+    print(f"gloo on {device} ({name}), rank {rank}: {probe.__name__}: {verdict}", flush=True)  # before a crash
     dist.barrier()
-print("\n".join(lines), flush=True)
 dist.destroy_process_group()

@@ -32,7 +32,7 @@ def separate(records: list) -> None:
         if record.marks is None and record.handle is not NO_GROUP and record.op not in POINT_TO_POINT:
             by_group.setdefault(id(record.handle), (record.handle, []))[1].append(record)
     for handle, rows in by_group.values():
-        in_flight = torch.tensor([r.finished - r.issued for r in rows], dtype=torch.float64)
+        in_flight = torch.tensor([r.finished - r.issued for r in rows], dtype=torch.float64, device="cpu")  # host times
         fastest = in_flight.to(reduce_device(handle), copy=True)  # a copy: the reduce is in place
         dist.all_reduce(fastest, op=dist.ReduceOp.MIN, group=handle)
         for record, mine, least in zip(rows, in_flight.tolist(), fastest.tolist()):

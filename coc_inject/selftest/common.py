@@ -20,7 +20,9 @@ BOUNDS = {"float64": 1e-9, "float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 @dataclass
 class Context:
     """Where a wing's cases run: ``device`` (this rank's), ``dtype`` (the --dtype, a name), ``reps``
-    (timed repetitions), the world group and its size and this rank."""
+    (timed repetitions), the world group and its size and this rank. ``shared_device``: the ranks
+    share a GPU over gloo, which cannot send a CUDA tensor point to point (the process aborts:
+    'writev ... Bad address', seen on an H100), nor can symmetric memory map one GPU twice."""
 
     device: object
     dtype: str
@@ -29,6 +31,7 @@ class Context:
     world: int
     rank: int
     options: object  # the parsed command line (a wing reads its own options, e.g. --shape)
+    shared_device: bool = False  # ranks share one GPU over gloo (COC_SELFTEST_DEVICE=cuda-gloo)
 
     def progress(self, wing: str, case: str) -> None:
         """One line per case as it starts (rank 0), so a slow or hanging case is seen."""
@@ -86,3 +89,6 @@ def row(wing: str, case: str, backend: str, errors: dict, dtype: str, coc_ms: fl
 def skipped(wing: str, case: str, backend: str, why: str) -> dict:
     """A case this device cannot run, and why (not a failure)."""
     return {"wing": wing, "case": case, "backend": backend, "skipped": why}
+
+
+NO_P2P = "ranks share one GPU over gloo (cuda-gloo), and gloo cannot send a CUDA tensor point to point"

@@ -78,6 +78,8 @@ def run(ctx) -> list:
             for backend in registry.BACKENDS.values() if name in FUSED_CASES else ():
                 x = fused_inputs[name]
                 why = backend.unsupported(name, x, weight, ctx.group)
+                if why is None and ctx.shared_device and backend.name == "symm_mem":
+                    why = "ranks share one GPU (cuda-gloo): symmetric memory maps one buffer per GPU"
                 if why is not None:
                     rows.append(skipped(WING, name, f"fused {backend.name}", why))
                     continue

@@ -48,7 +48,7 @@ def _work(options, device) -> list | None:
 
     options.dtype = options.dtype or ("float32" if device.type == "cpu" else "bfloat16")
     ctx = Context(device, options.dtype, options.reps, dist.group.WORLD, dist.get_world_size(), dist.get_rank(),
-                  options)
+                  options, shared_device=device.type != "cpu" and dist.get_backend() == "gloo")
     rows = []
     for wing in options.cases:
         rows += importlib.import_module(f"coc_inject.selftest.{WINGS[wing]}").run(ctx)
