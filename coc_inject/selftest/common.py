@@ -22,7 +22,8 @@ class Context:
     """Where a wing's cases run: ``device`` (this rank's), ``dtype`` (the --dtype, a name), ``reps``
     (timed repetitions), the world group and its size and this rank. ``shared_device``: the ranks
     share a GPU over gloo, which cannot send a CUDA tensor point to point (the process aborts:
-    'writev ... Bad address', seen on an H100), nor can symmetric memory map one GPU twice."""
+    'writev ... Bad address', seen on an H100: staged_p2p stages those sends through host memory),
+    nor can symmetric memory map one GPU twice."""
 
     device: object
     dtype: str
@@ -90,5 +91,3 @@ def skipped(wing: str, case: str, backend: str, why: str) -> dict:
     """A case this device cannot run, and why (not a failure)."""
     return {"wing": wing, "case": case, "backend": backend, "skipped": why}
 
-
-NO_P2P = "ranks share one GPU over gloo (cuda-gloo), and gloo cannot send a CUDA tensor point to point"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -10,6 +11,7 @@ import platform
 import sys
 
 from coc_inject import __version__
+from coc_inject.selftest import staged_p2p
 from coc_inject.testbed import ranks
 
 WINGS = {"linears": "linears", "attention-kernels": "kernels", "context-parallel": "context_parallel",
@@ -50,8 +52,9 @@ def _work(options, device) -> list | None:
     ctx = Context(device, options.dtype, options.reps, dist.group.WORLD, dist.get_world_size(), dist.get_rank(),
                   options, shared_device=device.type != "cpu" and dist.get_backend() == "gloo")
     rows = []
-    for wing in options.cases:
-        rows += importlib.import_module(f"coc_inject.selftest.{WINGS[wing]}").run(ctx)
+    with staged_p2p.installed() if ctx.shared_device else contextlib.nullcontext():
+        for wing in options.cases:
+            rows += importlib.import_module(f"coc_inject.selftest.{WINGS[wing]}").run(ctx)
     return {"rows": rows, "device": str(device), "dtype": options.dtype} if ctx.rank == 0 else None
 
 
