@@ -1,6 +1,7 @@
 #!/bin/bash
 # One device lease's checks, most wanted first, each under its own time limit (a lent machine has
 # minutes, not hours). ROUND=wgrad: #44 item 6's weight gradient (benchmarks/wgrad_device.py).
+# ROUND=cp4: the context-parallel cases at 2 and 4 ranks, then the other wings at 4.
 # ROUND=ranks (default): which collectives gloo moves as CUDA tensors, then the self-test's
 # multi-rank cases on real kernels with 2 (then 4) ranks sharing the GPU over gloo
 # (COC_SELFTEST_DEVICE=cuda-gloo), one wing per run so that one abort loses one wing, then the
@@ -13,6 +14,15 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s) $(date +%T)"; tim
 run="python3 -m torch.distributed.run"
 if [ "${ROUND:-ranks}" = wgrad ]; then
     step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
+    exit
+fi
+if [ "${ROUND:-ranks}" = cp4 ]; then  # the ring-family CP cases (sends staged via host), then the wings at 4 ranks
+    for world in 2 4; do
+        step 75 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node $world -m coc_inject.selftest \
+            --cases context-parallel --json "$OUT/selftest-cuda-gloo-$world-context-parallel.json"
+    done
+    step 120 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 4 -m coc_inject.selftest \
+        --cases linears,multi-copy,moe --json "$OUT/selftest-cuda-gloo-4-wings.json"
     exit
 fi
 step 40 $run --nproc-per-node 2 benchmarks/gloo_cuda_probe.py
