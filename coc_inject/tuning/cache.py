@@ -2,7 +2,7 @@
 
 ``{"version": 1, "entries": {key: {"chunks": N, "times_ms": {...}, "written": unix time}}}``
 (``"choice": name`` in place of ``"chunks"`` for a named choice, e.g. a context-parallel
-algorithm); a key is the decision key's fields plus the hardware identity, as text. Reads happen once per process.
+algorithm; ``"confirmation_ms"``: the second round's times, for a decision that has one); a key is the decision key's fields plus the hardware identity, as text. Reads happen once per process.
 Writes (by one rank per group) take an exclusive ``flock`` on ``PATH.lock``, re-read the file,
 merge the entry and replace the file atomically (write to a temporary file, ``os.replace``),
 so concurrent jobs never lose each other's entries or leave a torn file. An unreadable or
@@ -44,9 +44,17 @@ class TuneCache:
             return chunks
         return choice if isinstance(choice, str) and choice else None
 
-    def put(self, key: str, choice: int | str, times_ms: dict) -> None:
+    def confirmed(self, key: str) -> bool:
+        """Whether the entry holds a second round's times (entries written before the confirmation
+        round existed, or by a decision without one, do not)."""
+        entry = self._entries.get(key) if self._entries is not None else None
+        return isinstance(entry, dict) and isinstance(entry.get("confirmation_ms"), dict)
+
+    def put(self, key: str, choice: int | str, times_ms: dict, confirmation_ms: dict | None = None) -> None:
         entry = {"choice" if isinstance(choice, str) else "chunks": choice,
                  "times_ms": {str(c): round(t, 4) for c, t in times_ms.items()}, "written": round(time.time(), 3)}
+        if confirmation_ms:
+            entry["confirmation_ms"] = {str(c): round(t, 4) for c, t in confirmation_ms.items()}
         if self._entries is None:
             self._entries = {}
         self._entries[key] = entry

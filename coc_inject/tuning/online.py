@@ -170,7 +170,7 @@ class Tuner:
 
     def _decide(self, key, group, device, candidates, baseline, run, group_name, touches, confirm=False) -> Decision:
         identity = hardware_identity(device, group, group_name)
-        cached = self._agreed_cached(key, identity, group, device, candidates)
+        cached = self._agreed_cached(key, identity, group, device, candidates, baseline if confirm else None)
         if cached is not None:
             decision = Decision(cached, "cache", {})
         elif self.config.deterministic:
@@ -187,16 +187,23 @@ class Tuner:
             decision = Decision(choice, "trials", {c: statistics.median(v) * 1e3 for c, v in samples.items()},
                                 noise * 1e3, confirmation)
             if self.cache is not None and group.rank() == 0:
-                self.cache.put(self.cache.key(key, identity), choice, decision.times_ms)
+                self.cache.put(self.cache.key(key, identity), choice, decision.times_ms, confirmation)
         level = logging.INFO if dist.get_rank() == 0 else logging.DEBUG
         log.logger.log(level, decision.describe(key))
         return decision
 
-    def _agreed_cached(self, key, identity, group, device, candidates):
+    def _agreed_cached(self, key, identity, group, device, candidates, confirmed_against=None):
         """Group rank 0's cached choice, the same on every rank (None: nothing usable cached).
-        A cached chunk count is used as it is; a cached name only if it is a candidate here."""
-        mine = self.cache.get(self.cache.key(key, identity)) if self.cache is not None else None
+        A cached chunk count is used as it is; a cached name only if it is a candidate here.
+        ``confirmed_against`` (a confirm decision's baseline): a cached winner other than it counts
+        only with its second round's times (an entry from before the confirmation round was a first
+        round's winner, which the second round exists to check)."""
+        cache_key = self.cache.key(key, identity) if self.cache is not None else None
+        mine = self.cache.get(cache_key) if self.cache is not None else None
         if isinstance(mine, str) and mine not in candidates:
+            mine = None
+        if confirmed_against is not None and mine is not None and mine != confirmed_against \
+                and not self.cache.confirmed(cache_key):
             mine = None
         agreed = [mine]
         dist.broadcast_object_list(agreed, src=dist.get_global_rank(group, 0), group=group, device=device)

@@ -231,3 +231,45 @@ def test_a_winner_among_many_candidates_is_confirmed_by_a_second_round(monkeypat
     other = DecisionKey("row", 64, 32, 32, "float32", 2, "cpu", True)
     assert tuner.decide(other, None, torch.device("cpu"), [1, 2, 4, 8], 1, None) == 2  # one round decides
     assert asked == [[1, 2, 4, 8]]
+
+
+@pytest.mark.parametrize("stored,trials_run", [
+    ({"chunks": 2, "times_ms": {"1": 10.0, "2": 9.5}}, True),  # a first round's winner, from before the second round
+    ({"chunks": 2, "times_ms": {"1": 10.0, "2": 9.5}, "confirmation_ms": {"1": 10.0, "2": 9.0}}, False),
+    ({"chunks": 1, "times_ms": {"1": 10.0, "2": 10.5}}, False),  # the baseline needs no confirmation
+])
+def test_a_cached_winner_counts_for_a_confirmed_decision_only_with_its_second_round(monkeypatch, tmp_path, stored,
+                                                                                     trials_run):
+    """COC_TUNE_CACHE: a confirm=True decision takes a cached winner other than the baseline only where
+    the entry holds the second round's times; a new decision stores them."""
+    import json
+
+    import torch
+
+    from coc_inject.config import CocConfig
+    from coc_inject.tuning.cache import VERSION, TuneCache
+
+    monkeypatch.setattr(tuning, "hardware_identity", lambda *args: "test host")
+    monkeypatch.setattr(tuning.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(tuning.dist, "get_global_rank", lambda group, rank: 0)
+    monkeypatch.setattr(tuning.dist, "broadcast_object_list", lambda *args, **kwargs: None)
+    path = tmp_path / "tune.json"
+    cache = TuneCache(str(path))
+    path.write_text(json.dumps({"version": VERSION, "entries": {cache.key(KEY, "test host"): stored}}))
+    asked = []
+
+    def trials(self, candidates, *rest):
+        asked.append(list(candidates))
+        return {c: [10.0 if c == 1 else 9.0] * 3 for c in candidates}
+
+    monkeypatch.setattr(tuning.Tuner, "_trials", trials)
+    group = type("Group", (), {"rank": lambda self: 0})()
+    tuner = tuning.Tuner(CocConfig(), cache)
+    choice = tuner.decide(KEY, group, torch.device("cpu"), [1, 2, 4], 1, None, confirm=True)
+    assert bool(asked) == trials_run
+    if trials_run:
+        assert choice == 2 and asked == [[1, 2, 4], [1, 2]]
+        entry = json.loads(path.read_text())["entries"][cache.key(KEY, "test host")]
+        assert entry["confirmation_ms"] == {"1": 10000.0, "2": 9000.0}  # the trials return seconds
+    else:
+        assert choice == stored["chunks"] and tuner.decisions[KEY].source == "cache"
