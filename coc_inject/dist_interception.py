@@ -82,6 +82,14 @@ def is_async(async_index: int | None, args, kwargs) -> bool:
     return bool(kwargs.get("async_op", False))
 
 
+def made_async(async_index: int | None, args, kwargs) -> tuple:
+    """``(asked, args, kwargs)``: whether the call asked for a handle, and its arguments with
+    ``async_op=True`` where it was given (positionally at ``async_index``, else by keyword)."""
+    if async_index is not None and len(args) > async_index:
+        return bool(args[async_index]), args[:async_index] + (True,) + args[async_index + 1:], kwargs
+    return bool(kwargs.get("async_op", False)), args, {**kwargs, "async_op": True}
+
+
 def _sites(make, names, import_aliases: bool) -> list:
     """``(owner, attribute, replacement)`` for each collective in ``names`` that ``make(name, what_was_there)``
     replaces (None: left as it is), in torch.distributed and in every Megatron alias holding it: in the

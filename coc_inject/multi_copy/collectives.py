@@ -148,11 +148,7 @@ def wrap(original):
         run = copy_context.current()
         if run is None:
             return original(*args, **kwargs)
-        wants_handle = dist_interception.is_async(async_index, args, kwargs)
-        if async_index is not None and len(args) > async_index:
-            args = args[:async_index] + (True,) + args[async_index + 1:]
-        else:
-            kwargs["async_op"] = True
+        wants_handle, args, kwargs = dist_interception.made_async(async_index, args, kwargs)
         work = _served(run, args, kwargs) if served else None  # gathered ahead: nothing to issue
         if work is None and run.defers(kind):
             work = _deferred(original, args, kwargs, output_name)

@@ -430,6 +430,8 @@ def test_async_op_is_found_where_the_function_in_place_takes_it():
     assert not dist_interception.is_async(None, (tensor, tensor), {})
     assert dist_interception.is_async(None, (tensor, tensor), {"async_op": True})
     assert dist_interception.is_async(3, (tensor, None, None, True), {})
+    assert dist_interception.made_async(3, (tensor, None, None, False), {}) == (False, (tensor, None, None, True), {})
+    assert dist_interception.made_async(3, (tensor,), {"async_op": False}) == (False, (tensor,), {"async_op": True})
 
     class Run:  # a copy's run: every collective started asynchronously, its handle taken as it is
         def defers(self, kind):
