@@ -1,7 +1,8 @@
 #!/bin/bash
 # One device lease's checks, most wanted first, each under its own time limit (a lent machine has
 # minutes, not hours). ROUND=wgrad: #44 item 6's weight gradient (benchmarks/wgrad_device.py).
-# ROUND=cp4: the context-parallel cases at 2 and 4 ranks, then the other wings at 4.
+# ROUND=cp4: the context-parallel cases at 2 and 4 ranks, then the other wings at 4. ROUND=flash:
+# COC_FLASH_ATTN=1 on a GPT training step against Megatron's local attention (benchmarks/flash_gpt_device.py).
 # ROUND=ranks (default): which collectives gloo moves as CUDA tensors, then the self-test's
 # multi-rank cases on real kernels with 2 (then 4) ranks sharing the GPU over gloo
 # (COC_SELFTEST_DEVICE=cuda-gloo), one wing per run so that one abort loses one wing, then the
@@ -14,6 +15,13 @@ step() { local limit=$1; shift; echo "=== $* (limit ${limit}s) $(date +%T)"; tim
 run="python3 -m torch.distributed.run"
 if [ "${ROUND:-ranks}" = wgrad ]; then
     step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
+    exit
+fi
+if [ "${ROUND:-ranks}" = flash ]; then  # COC_FLASH_ATTN=1 on a whole GPT step against Megatron's local attention
+    step 240 python3 benchmarks/flash_gpt_device.py --shapes 2048x1024,4096x1024,8192x1024 --batch 1 --rounds 2 \
+        --steps 6 --json "$OUT/flash-gpt.json"
+    step 60 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 2 -m coc_inject.selftest --cases multi-copy \
+        --json "$OUT/selftest-cuda-gloo-2-multi-copy.json"
     exit
 fi
 if [ "${ROUND:-ranks}" = cp4 ]; then  # the ring-family CP cases (sends staged via host), then the wings at 4 ranks
