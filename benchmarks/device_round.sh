@@ -20,8 +20,6 @@ fi
 if [ "${ROUND:-ranks}" = flash ]; then  # COC_FLASH_ATTN=1 on a whole GPT step against Megatron's local attention
     step 240 python3 benchmarks/flash_gpt_device.py --shapes 2048x1024,4096x1024,8192x1024 --batch 1 --rounds 2 \
         --steps 6 --json "$OUT/flash-gpt.json"
-    step 60 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 2 -m coc_inject.selftest --cases multi-copy \
-        --json "$OUT/selftest-cuda-gloo-2-multi-copy.json"
     exit
 fi
 if [ "${ROUND:-ranks}" = cp4 ]; then  # the ring-family CP cases (sends staged via host), then the wings at 4 ranks

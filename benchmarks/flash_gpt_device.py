@@ -32,6 +32,8 @@ def train(args) -> dict:
     import torch.distributed as dist
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     if device.type == "cpu":
         torch.cuda.current_device = lambda: torch.device("cpu")  # Megatron's rope buffers: the CPU here
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -58,7 +60,10 @@ def train(args) -> dict:
                                bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
                                use_cpu_initialization=True, pipeline_dtype=dtype)
     model = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
-                     max_sequence_length=seq, position_embedding_type="rope").to(device)
+                     max_sequence_length=seq, position_embedding_type="rope")
+    from megatron.core.transformer.module import Float16Module
+
+    model = Float16Module(config, model).to(device)  # as Megatron-LM wraps a bf16 model: inputs and outputs cast
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(args.seed + 1)
     tokens = torch.randint(0, args.vocab, (args.batch, seq + 1), generator=generator).to(device)
