@@ -77,3 +77,15 @@ def experts_builder():
 
     return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
         linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear))
+
+
+def experts_spec():
+    """The same experts as megatron-core 0.12 to 0.16 specify them: a ``ModuleSpec`` of ``TEGroupedMLP``
+    with ``MLPSubmodules`` (its constructor takes ``model_comm_pgs`` / ``pg_collection``, the stand-ins take
+    and ignore what it hands their constructors: ``tp_group``, ``pg_collection``, ``tp_comm_buffer_name``)."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=TEGroupedMLP, submodules=MLPSubmodules(
+        linear_fc1=TEColumnParallelGroupedLinear, linear_fc2=TERowParallelGroupedLinear))

@@ -139,8 +139,8 @@ def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, **e
 def build_layer(grouped=False, te_grouped=False, **kwargs):
     """Megatron's MoE layer of the local spec: SequentialMLP experts, or with ``grouped`` the legacy
     GroupedMLP (``--moe-grouped-gemm``; its grouped_gemm extension: tests/fakes/grouped_gemm.py), or with
-    ``te_grouped`` Megatron's TEGroupedMLP over stand-ins of TE's grouped linears (tests/fakes/te_grouped_linear.py;
-    megatron-core 0.17+, whose specs are builders)."""
+    ``te_grouped`` Megatron's TEGroupedMLP over stand-ins of TE's grouped linears (tests/fakes/te_grouped_linear.py:
+    a builder on 0.17+, a ModuleSpec before)."""
     import dataclasses
     import functools
 
@@ -149,11 +149,16 @@ def build_layer(grouped=False, te_grouped=False, **kwargs):
 
     config = moe_config(**kwargs, **({"moe_grouped_gemm": True} if grouped or te_grouped else {}))
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped).submodules.mlp
-    if te_grouped:
+    if te_grouped and isinstance(spec, functools.partial):  # 0.17+: a builder
         from tests.fakes import te_grouped_linear
 
         submodules = dataclasses.replace(spec.keywords["submodules"], experts=te_grouped_linear.experts_builder())
         spec = functools.partial(spec.func, submodules=submodules)
+    elif te_grouped:  # 0.12-0.16: a ModuleSpec
+        from tests.fakes import te_grouped_linear
+
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                        experts=te_grouped_linear.experts_spec()))
     layer = spec(config=config) if callable(spec) else build_module(spec, config=config)  # 0.13-0.15: a ModuleSpec
     seed_parameters(layer, layer.num_local_experts)
     return layer

@@ -2,7 +2,7 @@
 local spec; megatron-core 0.12 to 0.16), its ``grouped_gemm`` extension the CPU stand-in of
 tests/fakes/grouped_gemm.py, and ``TEGroupedMLP`` (the TE spec; 0.17+ has only it) by its interface, over
 stand-ins of Transformer Engine's grouped linears (tests/fakes/te_grouped_linear.py; never against TE
-itself). A piece is a chunk of every local expert's rows, run as one call of the experts' own forward.
+itself), on every release the suite runs (a ModuleSpec before 0.17, a builder after). A piece is a chunk of every local expert's rows, run as one call of the experts' own forward.
 Output, input gradient and the weights' gradients against the same layer on Megatron's dispatcher, on
 gloo ranks; the all-to-alls in one order on every rank; auto over it."""
 
@@ -17,10 +17,6 @@ from tests.moe.test_moe import check_order, not_on_oldest, train
 MEGATRON = release(importable().version)
 HAS_GROUPED_MLP = MEGATRON < (0, 17)
 BF16_ONLY = MEGATRON >= (0, 16)  # 0.16's GroupedMLP.forward asserts config.bf16
-TE_BUILDERS = MEGATRON >= (0, 17)  # TEGroupedMLP built from a builder (its constructor's arguments as 0.17+ pass them)
-needs_te_builders = pytest.mark.skipif(not TE_BUILDERS, reason=(
-    "TEGroupedMLP by its interface is tested on 0.17+ (experts built from a builder, pg_collection); older releases "
-    "build it with other arguments: the legacy GroupedMLP's cases run there"))
 # 0.12 runs the pieces through its dispatcher's token_permutation / token_unpermutation (permutation_stages.py)
 needs_grouped = pytest.mark.skipif(not HAS_GROUPED_MLP,
                                    reason="megatron-core >= 0.17 has no legacy GroupedMLP (TEGroupedMLP only)")
@@ -170,7 +166,6 @@ def test_beside_mindspeeds_grouped_experts_the_wing_leaves_them_alone():
     assert experts.GroupedMLP is megatrons and megatrons.__dict__["forward"] is forward
 
 
-@needs_te_builders
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("ep,experts,topk,etp", [(2, 4, 2, 1), (2, 4, 2, 2)], ids=["ep2-2local-top2", "ep2-etp2-2local-top2"])
 def test_te_grouped_pieces_equal_megatron_by_interface(pool, ep, experts, topk, etp, dtype):
@@ -183,7 +178,6 @@ def test_te_grouped_pieces_equal_megatron_by_interface(pool, ep, experts, topk, 
         check_order(results, 8)
 
 
-@needs_te_builders
 def test_auto_over_te_grouped_experts(pool):
     results = pool.run("tests.moe.moe_cases:auto_case", te_grouped=True, ep=2, experts=4)
     for group in ((0, 1), (2, 3)):
