@@ -11,16 +11,20 @@ OUT=${OUT:-benchmarks/out/device}; mkdir -p "$OUT" /tmp/coc-device-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/coc-device-site .whl/*.whl
 export PYTHONPATH=/tmp/coc-device-site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L; python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'megatron-core', m.__version__)"
-step() { local limit=$1; shift; echo "=== $* (limit ${limit}s) $(date +%T)"; timeout "$limit" "$@"; echo "=== rc $? $(date +%T)"; }
+failed=0  # any step's failure makes the round's exit status 1 (each step still runs)
+step() {
+    local limit=$1 rc; shift; echo "=== $* (limit ${limit}s) $(date +%T)"
+    timeout "$limit" "$@"; rc=$?; echo "=== rc $rc $(date +%T)"; [ $rc -eq 0 ] || failed=1
+}
 run="python3 -m torch.distributed.run"
 if [ "${ROUND:-ranks}" = wgrad ]; then
     step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
-    exit
+    exit $failed
 fi
 if [ "${ROUND:-ranks}" = flash ]; then  # COC_FLASH_ATTN=1 on a whole GPT step against Megatron's local attention
     step 240 python3 benchmarks/flash_gpt_device.py --shapes 2048x1024,4096x1024,8192x1024 --batch 1 --rounds 2 \
         --steps 6 --json "$OUT/flash-gpt.json"
-    exit
+    exit $failed
 fi
 if [ "${ROUND:-ranks}" = cp4 ]; then  # the ring-family CP cases (sends staged via host), then the wings at 4 ranks
     for world in 2 4; do
@@ -29,7 +33,7 @@ if [ "${ROUND:-ranks}" = cp4 ]; then  # the ring-family CP cases (sends staged v
     done
     step 120 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 4 -m coc_inject.selftest \
         --cases linears,multi-copy,moe --json "$OUT/selftest-cuda-gloo-4-wings.json"
-    exit
+    exit $failed
 fi
 step 40 $run --nproc-per-node 2 benchmarks/gloo_cuda_probe.py
 for wing in linears multi-copy moe context-parallel meter; do
@@ -39,3 +43,4 @@ done
 step 60 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 4 -m coc_inject.selftest --cases context-parallel \
     --json "$OUT/selftest-cuda-gloo-4-context-parallel.json"
 step 75 $run --nproc-per-node 1 -m coc_inject.selftest --json "$OUT/selftest-gpu-1.json"
+exit $failed

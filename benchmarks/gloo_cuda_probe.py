@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 benchmarks/gloo_cuda_probe.py
 
+(bf16 values: the sums are exact at 2 ranks; at more, a sum past 256 may round and read as WRONG.)
+
 Each collective the wings issue, on bf16 CUDA tensors, waited and checked against its true result;
 rank 0 prints one line per collective: ok, wrong, or the error. The selftest's ``cuda-gloo`` mode
 (``COC_SELFTEST_DEVICE=cuda-gloo``) can run only what passes here.

@@ -128,8 +128,8 @@ def checks(row, device):
             failed.append(f"copies before the GEMM: {row['to_fp32_copies']}")
         if not row["gemm_operand_dtypes"] or any(dt.count(row["dtype"]) != 2 for dt in row["gemm_operand_dtypes"]):
             failed.append(f"GEMM operands {row['gemm_operand_dtypes']}")
-    elif device.type == "cuda":
-        failed.append(f"way {row['way']!r} on cuda (expected {wgrad.MIXED!r} on torch >= 2.8)")
+    elif device.type == "cuda" and wgrad.torch_mixed_addmm("cuda", getattr(torch, row["dtype"]), torch.float32):
+        failed.append(f"way {row['way']!r} on cuda where torch's mixed-dtype addmm runs")
     if device.type == "cuda" and row.get("host_sync") != "none":
         failed.append(f"host sync: {row.get('host_sync')}")
     return failed

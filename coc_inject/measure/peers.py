@@ -49,8 +49,21 @@ def reduce_device(group):
 
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     types = [torch.device(kind).type for kind in getattr(group, "_device_types", ())]
-    if not types or "cpu" in types:
+    if not types:  # a torch without the attribute: gloo alone takes CPU tensors
+        types = ["cpu"] if dist.get_backend(group) == "gloo" else [_accelerator_type()]
+    if "cpu" in types:
         return torch.device("cpu")
+    bound = getattr(group, "bound_device_id", None)  # init_process_group(device_id=...): the group's own device
+    if bound is not None:
+        return bound
     module = getattr(torch, types[0], None)
     current = getattr(module, "current_device", None)
     return torch.device(types[0], current()) if current is not None else torch.device(types[0])
+
+
+def _accelerator_type() -> str:
+    import torch
+
+    accelerator = getattr(torch, "accelerator", None)
+    found = accelerator.current_accelerator() if accelerator is not None else None
+    return found.type if found is not None else "cuda"

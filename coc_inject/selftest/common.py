@@ -20,10 +20,10 @@ BOUNDS = {"float64": 1e-9, "float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 @dataclass
 class Context:
     """Where a wing's cases run: ``device`` (this rank's), ``dtype`` (the --dtype, a name), ``reps``
-    (timed repetitions), the world group and its size and this rank. ``shared_device``: the ranks
-    share a GPU over gloo, which cannot send a CUDA tensor point to point (the process aborts:
-    'writev ... Bad address', seen on an H100: staged_p2p stages those sends through host memory),
-    nor can symmetric memory map one GPU twice."""
+    (timed repetitions), the world group and its size and this rank. ``p2p_via_host``: a device's
+    tensors over gloo, which cannot send a CUDA tensor point to point (the process aborts: 'writev ...
+    Bad address', seen on an H100: staged_p2p stages those sends through host memory);
+    ``shared_device``: more ranks than GPUs, where symmetric memory cannot map one GPU twice."""
 
     device: object
     dtype: str
@@ -32,7 +32,8 @@ class Context:
     world: int
     rank: int
     options: object  # the parsed command line (a wing reads its own options, e.g. --shape)
-    shared_device: bool = False  # ranks share one GPU over gloo (COC_SELFTEST_DEVICE=cuda-gloo)
+    shared_device: bool = False  # more ranks than GPUs, over gloo (COC_SELFTEST_DEVICE=cuda-gloo)
+    p2p_via_host: bool = False  # a device's tensors over gloo: point-to-point sends staged through the host
 
     def progress(self, wing: str, case: str) -> None:
         """One line per case as it starts (rank 0), so a slow or hanging case is seen."""

@@ -70,7 +70,7 @@ def run(ctx) -> list:
         peaks = [torch.zeros_like(peak) for _ in range(cp)]
         torch.distributed.all_gather(peaks, peak, group=ctx.group)
         errors = {name: relative_error(a, t, ctx.group) for name, a, t in zip(("out", "dq", "dk", "dv"), actual, truth)}
-        staged = ctx.shared_device and variant.algorithm in ("ring", "hybrid")  # their blocks travel point to point
+        staged = ctx.p2p_via_host and variant.algorithm in ("ring", "hybrid")  # their blocks travel point to point
         backend = f"{kernel_name}, {staged_p2p.LABEL}" if staged else kernel_name
         rows.append(row(WING, case, backend, errors, ctx.dtype, max_over_ranks(coc_ms, ctx.group, ctx.device),
                         reference_ms, peak_mb=[round(p.item(), 1) for p in peaks]))

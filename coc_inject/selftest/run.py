@@ -44,18 +44,23 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _work(options, device) -> list | None:
+    import torch
     import torch.distributed as dist
 
     from coc_inject.selftest.common import Context
 
     options.dtype = options.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    backend = dist.get_backend()
+    gloo_on_a_device = device.type != "cpu" and backend == "gloo"  # COC_SELFTEST_DEVICE=cuda-gloo
+    devices = getattr(getattr(torch, device.type, None), "device_count", lambda: 1)()
     ctx = Context(device, options.dtype, options.reps, dist.group.WORLD, dist.get_world_size(), dist.get_rank(),
-                  options, shared_device=device.type != "cpu" and dist.get_backend() == "gloo")
+                  options, shared_device=gloo_on_a_device and dist.get_world_size() > devices,
+                  p2p_via_host=gloo_on_a_device)
     rows = []
-    with staged_p2p.installed() if ctx.shared_device else contextlib.nullcontext():
+    with staged_p2p.installed() if gloo_on_a_device else contextlib.nullcontext():
         for wing in options.cases:
             rows += importlib.import_module(f"coc_inject.selftest.{WINGS[wing]}").run(ctx)
-    return {"rows": rows, "device": str(device), "dtype": options.dtype} if ctx.rank == 0 else None
+    return {"rows": rows, "device": str(device), "dtype": options.dtype, "backend": backend} if ctx.rank == 0 else None
 
 
 def versions() -> dict:
@@ -106,8 +111,10 @@ def main(argv=None) -> int:
     if result is None:  # a torchrun rank other than 0
         return 0
     rows = result["rows"]
-    where = (f"torchrun, {os.environ.get('WORLD_SIZE')} ranks on {result['device']}" if ranks.under_torchrun()
-             else f"{options.world} local CPU ranks (gloo)")
+    where = (f"torchrun, {os.environ.get('WORLD_SIZE')} ranks on {result['device']} over {result['backend']}"
+             + (" (a device's tensors through gloo's host copies: its CoC / ref times are no overlap's)"
+                if result["backend"] == "gloo" and not result["device"].startswith("cpu") else "")
+             if ranks.under_torchrun() else f"{options.world} local CPU ranks (gloo)")
     print(f"coc-inject selftest: {where}; --dtype {result['dtype']}")
     print(format_table(rows))
     failed = failures(rows)

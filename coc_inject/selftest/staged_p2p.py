@@ -22,18 +22,27 @@ class _CopyBack:
     its device tensor."""
 
     def __init__(self, works, received):
+        if received and not works:
+            raise RuntimeError("staged_p2p: receives posted but batch_isend_irecv returned no work to wait on")
         self.works, self.received = works, received
 
     def wait(self, *args, **kwargs):
         for work in self.works:
             work.wait(*args, **kwargs)
-        for host, device_tensor in self.received:
-            device_tensor.copy_(host)
-        self.received = []
+        self._copy_back()
         return True
 
     def is_completed(self):
-        return all(work.is_completed() for work in self.works)
+        """Done once the host transfers are and the device tensors hold what arrived (copied here)."""
+        if not all(work.is_completed() for work in self.works):
+            return False
+        self._copy_back()
+        return True
+
+    def _copy_back(self):
+        for host, device_tensor in self.received:
+            device_tensor.copy_(host)
+        self.received = []
 
 
 def _host_op(op):

@@ -203,6 +203,8 @@ def torchrun_device(npu_variable: str):
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if os.environ.get(npu_variable) == "cuda-gloo":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"{npu_variable}=cuda-gloo: no CUDA device here (it puts the ranks on the GPUs there are)")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         return device, "gloo"
