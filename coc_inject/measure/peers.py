@@ -41,7 +41,7 @@ def separate(records: list) -> None:
 
 def reduce_device(group):
     """The device whose tensors ``group``'s backend takes: the CPU where it has a CPU backend (gloo),
-    else its accelerator's current device. Host-clock records come from CPU ranks, and also from
+    else the device it is bound to, else its accelerator's (no index: the current one). Host-clock records come from CPU ranks, and also from
     host-side collectives on a device job's group (the self-test's sleep-backed one on NCCL refused
     a CPU tensor: 'No backend type associated with device type cpu', seen on an H100)."""
     import torch
@@ -54,11 +54,8 @@ def reduce_device(group):
     if "cpu" in types:
         return torch.device("cpu")
     bound = getattr(group, "bound_device_id", None)  # init_process_group(device_id=...): the group's own device
-    if bound is not None:
-        return bound
-    module = getattr(torch, types[0], None)
-    current = getattr(module, "current_device", None)
-    return torch.device(types[0], current()) if current is not None else torch.device(types[0])
+    # No index: a tensor moved to "cuda" lands on the current CUDA device, as NCCL expects
+    return bound if bound is not None else torch.device(types[0])
 
 
 def _accelerator_type() -> str:

@@ -15,24 +15,21 @@ from coc_inject.measure import peers
 from coc_inject.measure.records import Collective
 
 
-def test_a_device_only_group_reduces_on_its_current_device(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+def test_a_device_only_group_reduces_on_its_current_device():
     nccl_like = types.SimpleNamespace(_device_types=[torch.device("cuda")])
-    assert peers.reduce_device(nccl_like) == torch.device("cuda", 3)
+    assert peers.reduce_device(nccl_like) == torch.device("cuda")  # no index: the current CUDA device
 
 
-def test_a_group_bound_to_a_device_reduces_there(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+def test_a_group_bound_to_a_device_reduces_there():
     bound = types.SimpleNamespace(_device_types=[torch.device("cuda")], bound_device_id=torch.device("cuda", 5))
     assert peers.reduce_device(bound) == torch.device("cuda", 5)
 
 
 def test_without_device_types_the_backend_decides(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     monkeypatch.setattr(dist, "get_backend", lambda group: group.backend)
     assert peers.reduce_device(types.SimpleNamespace(backend="gloo")) == torch.device("cpu")
     monkeypatch.setattr(peers, "_accelerator_type", lambda: "cuda")
-    assert peers.reduce_device(types.SimpleNamespace(backend="nccl")) == torch.device("cuda", 2)
+    assert peers.reduce_device(types.SimpleNamespace(backend="nccl")) == torch.device("cuda")
 
 
 def test_a_group_with_a_cpu_backend_reduces_on_the_cpu():
