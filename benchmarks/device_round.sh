@@ -17,6 +17,10 @@ step() {
     timeout "$limit" "$@"; rc=$?; echo "=== rc $rc $(date +%T)"; [ $rc -eq 0 ] || failed=1
 }
 run="python3 -m torch.distributed.run"
+shared() {  # shared LIMIT RANKS WINGS NAME: the self-test's WINGS on RANKS ranks sharing the GPU over gloo
+    step "$1" env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node "$2" -m coc_inject.selftest --cases "$3" \
+        --json "$OUT/selftest-cuda-gloo-$2-$4.json"
+}
 if [ "${ROUND:-ranks}" = wgrad ]; then
     step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
     exit $failed
@@ -27,20 +31,12 @@ if [ "${ROUND:-ranks}" = flash ]; then  # COC_FLASH_ATTN=1 on a whole GPT step a
     exit $failed
 fi
 if [ "${ROUND:-ranks}" = cp4 ]; then  # the ring-family CP cases (sends staged via host), then the wings at 4 ranks
-    for world in 2 4; do
-        step 75 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node $world -m coc_inject.selftest \
-            --cases context-parallel --json "$OUT/selftest-cuda-gloo-$world-context-parallel.json"
-    done
-    step 120 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 4 -m coc_inject.selftest \
-        --cases linears,multi-copy,moe --json "$OUT/selftest-cuda-gloo-4-wings.json"
+    for world in 2 4; do shared 75 $world context-parallel context-parallel; done
+    shared 120 4 linears,multi-copy,moe wings
     exit $failed
 fi
 step 40 $run --nproc-per-node 2 benchmarks/gloo_cuda_probe.py
-for wing in linears multi-copy moe context-parallel meter; do
-    step 90 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 2 -m coc_inject.selftest --cases $wing \
-        --json "$OUT/selftest-cuda-gloo-2-$wing.json"
-done
-step 60 env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node 4 -m coc_inject.selftest --cases context-parallel \
-    --json "$OUT/selftest-cuda-gloo-4-context-parallel.json"
+for wing in linears multi-copy moe context-parallel meter; do shared 90 2 $wing $wing; done
+shared 60 4 context-parallel context-parallel
 step 75 $run --nproc-per-node 1 -m coc_inject.selftest --json "$OUT/selftest-gpu-1.json"
 exit $failed

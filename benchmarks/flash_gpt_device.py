@@ -20,7 +20,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +30,8 @@ def train(args) -> dict:
     """One run in this process: ``args.steps`` steps of the model, its losses, step times and peak memory."""
     import torch
     import torch.distributed as dist
+
+    from coc_inject import timer  # a plain module: nothing of coc-inject is installed by it (the off run)
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -70,19 +71,20 @@ def train(args) -> dict:
     tokens = torch.randint(0, args.vocab, (args.batch, seq + 1), generator=generator).to(device)
     positions = torch.arange(seq, device=device).unsqueeze(0).expand(args.batch, seq)
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    losses, times = [], []
-    for _ in range(args.steps):
-        sync()
-        start = time.perf_counter()
+
+    def step():
         optimizer.zero_grad(set_to_none=True)
         loss = model(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).float().mean()
         loss.backward()
         optimizer.step()
-        sync()
-        times.append(time.perf_counter() - start)
+        return loss
+
+    losses, times = [], []
+    for _ in range(args.steps):
+        loss, elapsed = timer.seconds(step, device)  # the device synchronised before and after
+        times.append(elapsed)
         losses.append(loss.item())
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     dist.destroy_process_group()

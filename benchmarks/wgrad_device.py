@@ -19,6 +19,7 @@ import sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from coc_inject import timer
 from coc_inject.pipeline import wgrad
 
 
@@ -50,12 +51,10 @@ def ways(grad, inp):
 
 
 def event_ms(fn, accum, reps, device):
+    """ms per call of ``reps`` back-to-back calls: the device's events on CUDA (no process group here for
+    timer.Timer's barrier), else coc_inject.timer's wall clock."""
     if device.type != "cuda":
-        import time
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn(accum)
-        return (time.perf_counter() - t0) * 1e3 / reps
+        return timer.seconds(lambda: [fn(accum) for _ in range(reps)])[1] * 1e3 / reps
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
@@ -104,12 +103,11 @@ def one_case(m, n, k, dtype, device, rounds, reps):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     times = {name: [] for name in fns}
-    for name, fn in fns.items():  # warm-up
-        event_ms(fn, accum0.clone(), 2, device)
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(event_ms(fns[name], accum0.clone(), reps, device))
+    warm_up, timed = timer.schedule(list(fns), rounds)  # each timed round rotated by one
+    for name in warm_up:
+        event_ms(fns[name], accum0.clone(), 2, device)
+    for name in timed:
+        times[name].append(event_ms(fns[name], accum0.clone(), reps, device))
     for name in fns:
         row[f"{name}_ms"] = statistics.median(times[name])
     row["upcast_over_chosen"] = row["upcast_ms"] / row["chosen_ms"]

@@ -75,19 +75,23 @@ def async_op_index(function) -> int | None:
     return None
 
 
+def _positional(async_index: int | None, args) -> bool:
+    """Was ``async_op`` given positionally (at ``async_index``) in this call?"""
+    return async_index is not None and len(args) > async_index
+
+
 def is_async(async_index: int | None, args, kwargs) -> bool:
     """Did this call ask for a handle (``async_op``, by keyword or at ``async_index``)?"""
-    if async_index is not None and len(args) > async_index:
-        return bool(args[async_index])
-    return bool(kwargs.get("async_op", False))
+    return bool(args[async_index] if _positional(async_index, args) else kwargs.get("async_op", False))
 
 
 def made_async(async_index: int | None, args, kwargs) -> tuple:
     """``(asked, args, kwargs)``: whether the call asked for a handle, and its arguments with
     ``async_op=True`` where it was given (positionally at ``async_index``, else by keyword)."""
-    if async_index is not None and len(args) > async_index:
-        return bool(args[async_index]), args[:async_index] + (True,) + args[async_index + 1:], kwargs
-    return bool(kwargs.get("async_op", False)), args, {**kwargs, "async_op": True}
+    asked = is_async(async_index, args, kwargs)
+    if _positional(async_index, args):
+        return asked, args[:async_index] + (True,) + args[async_index + 1:], kwargs
+    return asked, args, {**kwargs, "async_op": True}
 
 
 def _sites(make, names, import_aliases: bool) -> list:

@@ -41,9 +41,10 @@ def separate(records: list) -> None:
 
 def reduce_device(group):
     """The device whose tensors ``group``'s backend takes: the CPU where it has a CPU backend (gloo),
-    else the device it is bound to, else its accelerator's (no index: the current one). Host-clock records come from CPU ranks, and also from
-    host-side collectives on a device job's group (the self-test's sleep-backed one on NCCL refused
-    a CPU tensor: 'No backend type associated with device type cpu', seen on an H100)."""
+    else the device it is bound to, else its accelerator's (no index: the current one). Host-clock
+    records come from CPU ranks, and also from host-side collectives on a device job's group (the
+    self-test's sleep-backed one on NCCL refused a CPU tensor: 'No backend type associated with
+    device type cpu', seen on an H100)."""
     import torch
     import torch.distributed as dist
 

@@ -91,4 +91,3 @@ def row(wing: str, case: str, backend: str, errors: dict, dtype: str, coc_ms: fl
 def skipped(wing: str, case: str, backend: str, why: str) -> dict:
     """A case this device cannot run, and why (not a failure)."""
     return {"wing": wing, "case": case, "backend": backend, "skipped": why}
-

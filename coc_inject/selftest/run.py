@@ -111,10 +111,11 @@ def main(argv=None) -> int:
     if result is None:  # a torchrun rank other than 0
         return 0
     rows = result["rows"]
-    where = (f"torchrun, {os.environ.get('WORLD_SIZE')} ranks on {result['device']} over {result['backend']}"
-             + (" (a device's tensors through gloo's host copies: its CoC / ref times are no overlap's)"
-                if result["backend"] == "gloo" and not result["device"].startswith("cpu") else "")
-             if ranks.under_torchrun() else f"{options.world} local CPU ranks (gloo)")
+    where = f"{options.world} local CPU ranks (gloo)"
+    if ranks.under_torchrun():
+        where = f"torchrun, {os.environ.get('WORLD_SIZE')} ranks on {result['device']} over {result['backend']}"
+        if result["backend"] == "gloo" and not result["device"].startswith("cpu"):
+            where += " (a device's tensors through gloo's host copies: its CoC / ref times are no overlap's)"
     print(f"coc-inject selftest: {where}; --dtype {result['dtype']}")
     print(format_table(rows))
     failed = failures(rows)

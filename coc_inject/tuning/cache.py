@@ -2,7 +2,8 @@
 
 ``{"version": 1, "entries": {key: {"chunks": N, "times_ms": {...}, "written": unix time}}}``
 (``"choice": name`` in place of ``"chunks"`` for a named choice, e.g. a context-parallel
-algorithm; ``"confirmation_ms"``: the second round's times, for a decision that has one); a key is the decision key's fields plus the hardware identity, as text. Reads happen once per process.
+algorithm; ``"confirmation_ms"``: the second round's times, for a decision that has one); a key is
+the decision key's fields plus the hardware identity, as text. Reads happen once per process.
 Writes (by one rank per group) take an exclusive ``flock`` on ``PATH.lock``, re-read the file,
 merge the entry and replace the file atomically (write to a temporary file, ``os.replace``),
 so concurrent jobs never lose each other's entries or leave a torn file. An unreadable or
@@ -21,6 +22,11 @@ import time
 from coc_inject import log
 
 VERSION = 1
+
+
+def _as_text(times_ms: dict) -> dict:
+    """{candidate: ms} as JSON keeps it: candidates as text, times to 0.1 µs."""
+    return {str(c): round(t, 4) for c, t in times_ms.items()}
 
 
 class TuneCache:
@@ -51,10 +57,10 @@ class TuneCache:
         return isinstance(entry, dict) and isinstance(entry.get("confirmation_ms"), dict)
 
     def put(self, key: str, choice: int | str, times_ms: dict, confirmation_ms: dict | None = None) -> None:
-        entry = {"choice" if isinstance(choice, str) else "chunks": choice,
-                 "times_ms": {str(c): round(t, 4) for c, t in times_ms.items()}, "written": round(time.time(), 3)}
+        entry = {"choice" if isinstance(choice, str) else "chunks": choice, "times_ms": _as_text(times_ms),
+                 "written": round(time.time(), 3)}
         if confirmation_ms:
-            entry["confirmation_ms"] = {str(c): round(t, 4) for c, t in confirmation_ms.items()}
+            entry["confirmation_ms"] = _as_text(confirmation_ms)
         if self._entries is None:
             self._entries = {}
         self._entries[key] = entry

@@ -149,16 +149,15 @@ def build_layer(grouped=False, te_grouped=False, **kwargs):
 
     config = moe_config(**kwargs, **({"moe_grouped_gemm": True} if grouped or te_grouped else {}))
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=grouped).submodules.mlp
-    if te_grouped and isinstance(spec, functools.partial):  # 0.17+: a builder
+    if te_grouped:
         from tests.fakes import te_grouped_linear
 
-        submodules = dataclasses.replace(spec.keywords["submodules"], experts=te_grouped_linear.experts_builder())
-        spec = functools.partial(spec.func, submodules=submodules)
-    elif te_grouped:  # 0.12-0.16: a ModuleSpec
-        from tests.fakes import te_grouped_linear
-
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
-                                                                        experts=te_grouped_linear.experts_spec()))
+        if isinstance(spec, functools.partial):  # 0.17+: a builder
+            submodules = dataclasses.replace(spec.keywords["submodules"], experts=te_grouped_linear.experts_builder())
+            spec = functools.partial(spec.func, submodules=submodules)
+        else:  # 0.12-0.16: a ModuleSpec
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                            experts=te_grouped_linear.experts_spec()))
     layer = spec(config=config) if callable(spec) else build_module(spec, config=config)  # 0.13-0.15: a ModuleSpec
     seed_parameters(layer, layer.num_local_experts)
     return layer
