@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 
-def auto_variant(*, case, chunks, reps, tune_cache, slow=(), slow_rank=1, seconds=0.03):
+def auto_variant(*, case, chunks, reps, tune_cache, slow=(), slow_rank=1, seconds=0.3):
     """measure_case with ``auto``; on ``slow_rank`` the trial runs of the counts in ``slow`` take
     ``seconds`` longer (a real delay, so the decision is known). Counts every decision the
     engine's tuners make while the case is measured."""

@@ -222,7 +222,7 @@ def test_auto_losses_equal_cp1_and_decide_at_the_first_step(pool, tp, model):
 
 @newest_only
 def test_one_rank_skewed_still_one_decision(pool):
-    slow = 0.05
+    slow = 0.3  # far beyond a busy machine's scheduling hiccups
     got = train_auto(pool, coc={"cp_algo": "auto", "tune_cache": None}, steps=1, skew={1: ("ulysses", slow)})
     decisions = [r["decisions"][0] for r in got]
     assert got[0]["cp_ranks"] == [0, 1]  # rank 1's group
