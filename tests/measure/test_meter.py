@@ -163,7 +163,7 @@ def test_half_covered_is_half_hidden(measured):
     assert close(total["exposed_s"], end - waited_from)
     assert close(total["communication_s"], end - start)
     assert close(total["hidden_s"], waited_from - start)
-    assert 30 <= total["hidden_pct"] <= 70
+    assert 20 <= total["hidden_pct"] <= 80  # about half: D/2 slept, which a busy machine may overshoot
 
 
 def test_a_synchronous_call_is_exposed_for_all_its_communication(measured):
@@ -295,7 +295,7 @@ def test_the_end_of_run_line_and_warnings_cover_the_steady_steps(measured, said,
 
     def hidden(tensor):  # issued, then covered by compute longer than it
         work = engine(fast, tensor, async_op=True)
-        time.sleep(0.02)
+        time.sleep(0.2)  # long against a late timer thread (the collective itself takes 1 ms)
         work.wait()
 
     def exposed_with_a_trial(tensor):

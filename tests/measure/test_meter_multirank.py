@@ -244,12 +244,13 @@ def skewed_steps(late_rank: int, sleep_s: float, steps: int = 3, numel: int = 1 
 
 
 def test_waiting_for_a_slower_rank_is_told_apart_from_the_link(pool2):
-    """#43 item 2: rank 1 reaches each all-reduce 300 ms late. Rank 0's wait for it is booked as waiting for
+    """#43 item 2: rank 1 reaches each all-reduce 600 ms late. Rank 0's wait for it is booked as waiting for
     slower ranks, not as exposed communication; its communication is the link's, as rank 1's (+-10%, with a
     floor for this machine's scheduling); rank 1 waits for no one."""
-    early, late = pool2.run("tests.measure.test_meter_multirank:skewed_steps", late_rank=1, sleep_s=0.3)
+    early, late = pool2.run("tests.measure.test_meter_multirank:skewed_steps", late_rank=1, sleep_s=0.6)
     steps = 3
-    assert early["total"]["peers_s"] == pytest.approx(0.3 * steps, rel=0.15), early["total"]
+    # 600 ms, not 300: a sleep overshoot on a busy 2-core machine stays well inside 15%
+    assert early["total"]["peers_s"] == pytest.approx(0.6 * steps, rel=0.15), early["total"]
     assert late["total"]["peers_s"] < 0.02 * steps, late["total"]
     link = late["total"]["communication_s"]
     assert early["total"]["communication_s"] == pytest.approx(link, rel=0.10, abs=0.01 * steps)

@@ -85,7 +85,7 @@ def test_auto_at_micro_batch_1_tries_sequence_copies_and_agrees_over_the_group(p
     from coc_inject.tuning.online import TIMED_ROUNDS
 
     got = pool.run("tests.multi_copy.multi_copy_cases:train_auto", tp=2, sp=True, b=1, mask="none",
-                   skew={0: 0.3, 2: 0.3}, slow_baseline=True)
+                   skew={0: 0.5, 2: 0.5}, slow_baseline=True)
     decisions = [r["decisions"] for r in got]
     assert all(len(d) == 1 and d[0]["source"] == "trials" and "sequence split" in d[0]["key"] for d in decisions), \
         decisions
