@@ -15,11 +15,10 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
-import time
 import traceback
 from multiprocessing import connection
 
-from coc_inject.testbed.ranks import AFTER_A_FAILURE_S, on_a_free_port, rank_context, without_coc_variables
+from coc_inject.testbed.ranks import AnswerWait, on_a_free_port, rank_context, without_coc_variables
 
 
 def _resolve(path: str):
@@ -101,11 +100,9 @@ class RankPool:
     def _collect(self, what):
         pending = dict(enumerate(self.conns))
         results, errors = {}, []
-        deadline = time.monotonic() + self.timeout
+        wait = AnswerWait(self.timeout)  # once a rank failed, its peers' answers only briefly awaited
         while pending:
-            # Once a rank failed, its peers are likely blocked on it: their answers only briefly awaited.
-            left = deadline - time.monotonic() if not errors else min(deadline - time.monotonic(), AFTER_A_FAILURE_S)
-            ready = connection.wait(list(pending.values()), timeout=max(0.0, left))
+            ready = connection.wait(list(pending.values()), timeout=wait.left())
             if not ready:
                 break
             for rank in [rank for rank, conn in pending.items() if conn in ready]:
@@ -115,6 +112,7 @@ class RankPool:
                     status, value = "error", f"worker exited (exit code {self.procs[rank].exitcode})"
                 if status == "error":
                     errors.append(f"rank {rank}:\n{value}")
+                    wait.failure()
                 results[rank] = value
         errors += [f"rank {rank}: no answer to {what} within {self.timeout}s" + (" (after another rank failed)"
                                                                                  if errors else "")

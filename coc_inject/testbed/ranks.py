@@ -56,6 +56,25 @@ STARTUP_ATTEMPTS = 3  # on_a_free_port's tries
 AFTER_A_FAILURE_S = 5.0  # how long the other ranks' answers are awaited once one rank failed
 
 
+class AnswerWait:
+    """How long the ranks' remaining answers are still awaited: until ``timeout`` (None: without end) and,
+    once one rank failed, AFTER_A_FAILURE_S past that failure at most (its peers are likely blocked on it).
+    The one rule of the bench's local ranks (a queue, :func:`run_local_ranks`) and the tests' rank pool (pipes)."""
+
+    def __init__(self, timeout: float | None = None):
+        self._until = float("inf") if timeout is None else time.monotonic() + timeout
+        self.failed = False
+
+    def failure(self) -> None:
+        if not self.failed:
+            self.failed = True
+            self._until = min(self._until, time.monotonic() + AFTER_A_FAILURE_S)
+
+    def left(self) -> float:
+        """Seconds still to await (0: give up on the ranks yet to answer)."""
+        return max(0.0, self._until - time.monotonic())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -100,16 +119,17 @@ def _answers(queue, procs) -> list:
     reported an error, the others are awaited AFTER_A_FAILURE_S more, then killed (likely blocked on it)."""
     from queue import Empty
 
-    answers, failed_at = [], None
+    answers, wait = [], AnswerWait()
     while len(answers) < len(procs):
-        if failed_at is not None and time.monotonic() - failed_at > AFTER_A_FAILURE_S:
+        left = wait.left()
+        if left == 0:
             for proc in procs:
                 proc.kill()
             break
         try:
-            answers.append(queue.get(timeout=1.0))
-            if answers[-1][0] == "error" and failed_at is None:
-                failed_at = time.monotonic()
+            answers.append(queue.get(timeout=min(1.0, left)))  # a second at a time: a dead rank is noticed
+            if answers[-1][0] == "error":
+                wait.failure()
         except Empty:
             dead = [rank for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)]
             if dead and queue.empty():

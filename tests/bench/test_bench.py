@@ -208,6 +208,31 @@ def test_auto_decides_once_before_the_repetitions_and_they_run_its_n(pool2, tmp_
     assert decision["coc_calls"] == ([1] * 3 if expect_coc else [0] * 3)
 
 
+def test_answers_are_awaited_briefly_after_a_failure_and_the_first_failure_sets_the_end(monkeypatch):
+    """The rule of the bench's local ranks and the tests' rank pool (ranks.AnswerWait): until the timeout,
+    and once a rank failed AFTER_A_FAILURE_S past that failure at most; a second failure adds nothing."""
+    from coc_inject.testbed import ranks
+
+    clock = [100.0]
+    monkeypatch.setattr(ranks.time, "monotonic", lambda: clock[0])
+    endless, timed = ranks.AnswerWait(), ranks.AnswerWait(timeout=60.0)
+    assert endless.left() == float("inf") and timed.left() == 60.0
+    clock[0] = 110.0
+    for wait in (endless, timed):
+        wait.failure()
+    assert endless.left() == timed.left() == ranks.AFTER_A_FAILURE_S
+    clock[0] = 112.0
+    for wait in (endless, timed):
+        wait.failure()  # a second rank's failure: the end stays where the first set it
+    assert endless.left() == timed.left() == ranks.AFTER_A_FAILURE_S - 2.0
+    clock[0] = 200.0
+    assert endless.left() == timed.left() == 0.0
+    near_its_end = ranks.AnswerWait(timeout=60.0)  # at 200: until 260
+    clock[0] = 258.0
+    near_its_end.failure()
+    assert near_its_end.left() == 2.0  # the timeout comes first
+
+
 def test_local_ranks_start_without_coc_variables_and_the_parent_keeps_its_own(monkeypatch):
     import os
 

@@ -26,7 +26,7 @@ from coc_inject.measure.exposure import Exposure
 from fakes.device_events import FakeDevice
 
 D = 0.400  # a collective's time on the fake network, seconds (long: the machine is shared, threads wake late)
-TOLERANCE = 0.10  # of D
+TOLERANCE = 0.20  # of D: 80 ms, against a busy machine's late wake-ups; every claim below is about D (400 ms) or more
 
 
 class FakeNetwork:

@@ -18,7 +18,7 @@ from coc_inject.testbed.cpu import CpuLayerNorm, cpu_moe_shims
 from coc_inject.config import CocConfig
 from coc_inject.multi_copy.forward import last_route
 from tests.dist_harness import reinitialize_model_parallel
-from tests.fakes import grouped_gemm
+from tests.fakes import grouped_gemm, recompute_rng, uneven_collectives
 
 _state_key = None
 
@@ -30,45 +30,13 @@ def cpu_shims() -> None:
     # The alltoall dispatcher's side stream for its split counts, and gloo's list-only split sizes:
     # the bench's CPU ranks need the same (one copy, there).
     cpu_moe_shims()
-    # With expert tensor parallelism Megatron gathers and reduce-scatters uneven row counts with the list
-    # forms, which gloo refuses ("invalid tensor size"); padded to the largest, they are the same sums.
-    if not _even:  # once per process: torch's own, never a wrapper of these
-        _even.update(all_gather=dist.all_gather, reduce_scatter=dist.reduce_scatter)
-        dist.all_gather, dist.reduce_scatter = _uneven_all_gather, _uneven_reduce_scatter
+    # NCCL's uneven list forms, which Megatron's expert TP uses and gloo refuses: the stand-ins.
+    uneven_collectives.install()
     # Megatron's grouped_gemm extension (CUDA only) for the legacy GroupedMLP: the CPU stand-in.
     grouped_gemm.install()
     # 0.16's router names Transformer Engine's GEMM, defined only when TE imports.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-
-
-_even: dict = {}  # torch's own list forms, for even sizes (async ones too)
-
-
-def _uneven_all_gather(outputs, tensor, group=None, async_op=False):
-    if all(out.shape == tensor.shape for out in outputs):
-        return _even["all_gather"](outputs, tensor, group=group, async_op=async_op)
-    width = max(out.shape[0] for out in outputs)
-    padded = tensor.new_zeros((width,) + tuple(tensor.shape[1:]))
-    padded[:tensor.shape[0]] = tensor
-    gathered = tensor.new_empty((width * len(outputs),) + tuple(tensor.shape[1:]))
-    dist.all_gather_into_tensor(gathered, padded, group=group)
-    for rank, out in enumerate(outputs):
-        out.copy_(gathered[rank * width:rank * width + out.shape[0]])
-    assert not async_op
-
-
-def _uneven_reduce_scatter(output, inputs, group=None, async_op=False, **kwargs):
-    if all(t.shape == output.shape for t in inputs):
-        return _even["reduce_scatter"](output, inputs, group=group, async_op=async_op, **kwargs)
-    width = max(t.shape[0] for t in inputs)
-    padded = inputs[0].new_zeros((width * len(inputs),) + tuple(inputs[0].shape[1:]))
-    for rank, t in enumerate(inputs):
-        padded[rank * width:rank * width + t.shape[0]] = t
-    out = output.new_empty((width,) + tuple(output.shape[1:]))
-    dist.reduce_scatter_tensor(out, padded, group=group)
-    output.copy_(out[:output.shape[0]])
-    assert not async_op
 
 
 def setup(ep: int, tp: int = 1, etp: int = 1, coc: dict | None = None, cp: int = 1, chunks: int | None = None) -> None:
@@ -333,7 +301,7 @@ def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, cp=1,
     from tests.context_parallel.cp_gpt_cases import cp_slice
 
     setup(ep, tp=tp, etp=etp, coc=coc, cp=cp)
-    _cpu_rng_for_recompute()
+    recompute_rng.install()
     torch.manual_seed(7)
     gpt = build_gpt(seq=seq, vocab=vocab, ep=ep, tp=tp, etp=etp, context_parallel_size=cp, **model)
     optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
@@ -359,14 +327,6 @@ def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, cp=1,
     blocks = [last_route(m).reason for m in gpt.modules() if last_route(m) is not None]
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in gpt.named_parameters()}, "routes": routes,
             "blocks": blocks}
-
-
-def _cpu_rng_for_recompute() -> None:
-    """Test-only shim: Megatron's recompute saves and restores the "cuda" RNG state; on CPU that is torch's."""
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
 
 
 def refusal_reasons() -> dict:

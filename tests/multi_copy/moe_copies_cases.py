@@ -15,7 +15,8 @@ from coc_inject.config import AUTO, CocConfig
 from coc_inject.multi_copy import collectives as copies_collectives
 from coc_inject.multi_copy.forward import last_route
 from tests.moe import moe_cases
-from tests.multi_copy.multi_copy_cases import CollectiveRecorder, _cpu_rng_for_recompute, autograd_on_one_thread
+from tests.fakes import recompute_rng
+from tests.multi_copy.multi_copy_cases import CollectiveRecorder, autograd_on_one_thread
 
 # Each routing-loss type as a TransformerConfig's settings.
 ROUTING = {
@@ -102,7 +103,7 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
 
     moe_cases.setup(2, tp=2)  # CoC off, Megatron's TP 2 x EP 2 state
     _install(copies, moe_overlap)
-    _cpu_rng_for_recompute()  # moe_cases' shim, and Transformer Engine's FP8 state off (selective 'layernorm')
+    recompute_rng.install()  # with Transformer Engine's FP8 state off (selective 'layernorm')
     torch.manual_seed(7)
     gpt = moe_cases.build_gpt(seq=seq, vocab=vocab, ep=2, tp=2, sp=True, **{**ROUTING[routing], **model})
     optimizer = torch.optim.Adam(gpt.parameters(), lr=1e-3) if adam else torch.optim.SGD(gpt.parameters(), lr=0.1)

@@ -18,6 +18,7 @@ from coc_inject.multi_copy import scheduler as copies_scheduler, segments
 from coc_inject.multi_copy.cuts import KINDS
 from tests.context_parallel import cp_gpt_cases
 from tests.dist_harness import cpu_streams, reinitialize_model_parallel
+from tests.fakes import recompute_rng
 
 RECORDED = ("all_reduce", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter_tensor",
             "_reduce_scatter_base", "all_gather", "all_to_all_single", "batch_isend_irecv", "broadcast")
@@ -60,32 +61,6 @@ class CollectiveRecorder:
 
         record.__wrapped__ = original  # coc-inject reads the signature through it
         return record
-
-
-def _cpu_rng_for_recompute() -> None:
-    """Test-only shim: Megatron's recompute saves and restores the "cuda" RNG state; on CPU that is torch's."""
-    from megatron.core.tensor_parallel import random as megatron_random
-
-    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
-    megatron_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    if not getattr(megatron_random, "HAVE_TE", True):
-        # Megatron's output-discarding checkpoint (selective 'layernorm', 'moe_act') asks Transformer
-        # Engine's FP8 state whatever its fp8 flag (0.19: ``fp8 is not None``); a GPU job has TE, FP8 off.
-        megatron_random.FP8GlobalStateManager = _FP8Off
-        megatron_random.fp8_autocast = lambda enabled=False, fp8_recipe=None: contextlib.nullcontext()
-        megatron_random.activation_recompute_forward = lambda **kwargs: contextlib.nullcontext()
-
-
-class _FP8Off:
-    """Transformer Engine's FP8GlobalStateManager with FP8 off (test-only stand-in)."""
-
-    @staticmethod
-    def is_fp8_enabled() -> bool:
-        return False
-
-    @staticmethod
-    def get_fp8_recipe():
-        return None
 
 
 @contextlib.contextmanager
@@ -148,7 +123,7 @@ def train(copies=2, tp=2, cp=1, coc=None, chunks=None, record=False, tuner=None,
                 job.current().tuners[job.MULTI_COPY] = tuner
 
     if kwargs.get("recompute_granularity"):
-        _cpu_rng_for_recompute()
+        recompute_rng.install()
     recorder = CollectiveRecorder() if record else None
     with contextlib.ExitStack() as inside:  # left in the reverse order
         routes, autograd_calls = inside.enter_context(recorded_routes()), inside.enter_context(autograd_on_one_thread())
