@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from coc_inject import log, megatron_version
+from coc_inject import log, megatron_version, mindspeed
 from coc_inject.routes import (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_DISPATCHER, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused,
                                MegatronPath, MoERoute, copies_of, inner_of)
 
@@ -115,7 +115,23 @@ def summary_line(coverage) -> str:
     trials = {kind: n for kind, n in coverage.trial_calls_by_route().items() if n}
     if trials:
         text += "; apart from these, auto's trials: " + ", ".join(f"{n} {kind}" for kind, n in trials.items())
+    # What each wing left to MindSpeed (its layers run MindSpeed's code), unless a counted call said it already.
+    aside = [line for lines in mindspeed.said.values() for line in lines if line.split(": ", 1)[1] not in text]
+    if aside:
+        text += "; beside MindSpeed: " + "; ".join(aside)
     return text
+
+
+def beside_mindspeed() -> dict:
+    """{wing: the lines it said stepping aside for MindSpeed's replacements} (coc_inject.mindspeed)."""
+    return {wing: list(lines) for wing, lines in mindspeed.said.items()}
+
+
+def _why_idle(wing: str, otherwise: str) -> str:
+    """The parenthesis of a "no call ran through the wing" warning: MindSpeed's replacement where the wing
+    stepped aside for one (the likely reason), else ``otherwise``."""
+    lines = mindspeed.said.get(wing)
+    return f" (beside MindSpeed: {'; '.join(line.split(': ', 1)[1] for line in lines)})" if lines else otherwise
 
 
 def warnings(coverage) -> list:
@@ -132,27 +148,30 @@ def warnings(coverage) -> list:
                                                for reason in reasons)
     if config.cp_algo is not None and not totals[AttentionRoute.name]:
         lines.append(f"COC_CP_ALGO={config.cp_algo} but no attention call ran with context parallelism "
-                     "during the first step (context_parallel_size 1, or no local DotProductAttention)")
+                     "during the first step" + _why_idle(mindspeed.ATTENTION, " (context_parallel_size 1, or no "
+                                                                             "local DotProductAttention)"))
     fused_at_cp1 = any(route.fused_at_cp1 for route in coverage.routes_of(AttentionRoute))
     # sequence copies run their attention over parts through the fused kernel themselves (meeting.py)
     sequence_copies = any(route.split == "sequence" for route in coverage.routes_of(CopiesRoute))
     if config.flash_attn and not config.disabled and not fused_at_cp1 and not sequence_copies:
-        lines.append("COC_FLASH_ATTN=1 but no attention call ran the fused kernel at CP = 1 during the first step "
-                     "(no local DotProductAttention built with CP = 1, or Megatron's path for every call: see "
-                     "the warnings above)")
+        lines.append("COC_FLASH_ATTN=1 but no attention call ran the fused kernel at CP = 1 during the first step"
+                     + _why_idle(mindspeed.ATTENTION, " (no local DotProductAttention built with CP = 1, or "
+                                                      "Megatron's path for every call: see the warnings above)"))
     copies = coverage.routes_of(CopiesRoute)
     if config.multi_copy_armed and not any(route.copies > 1 or route.reason.startswith("auto:") for route in copies):
         lines.append(f"COC_MULTI_COPY={config.describe()['multi_copy']} but no TransformerBlock call ran as copies "
-                     "during the first step" + (" (see the reasons above)" if copies else " (no TransformerBlock "
-                                                "was called)"))
+                     "during the first step" + _why_idle(mindspeed.MULTI_COPY, " (see the reasons above)" if copies
+                                                         else " (no TransformerBlock was called)"))
     moe = coverage.routes_of(MoERoute)
     stepped_aside = ("auto:", COPIES_CHOSE_DISPATCHER)  # on purpose, by a trial
     if config.moe_armed and not any(route.pieces or route.reason.startswith(stepped_aside) for route in moe):
         lines.append(f"COC_MOE_OVERLAP={config.moe_overlap} but no MoE layer call ran its all-to-alls in pieces "
-                     "during the first step" + (" (see the reasons above)" if moe else " (no MoELayer was called)"))
+                     "during the first step" + _why_idle(mindspeed.MOE, " (see the reasons above)" if moe
+                                                         else " (no MoELayer was called)"))
     if config.enabled and totals[Chunked.name] + totals[Fused.name] == 0 and not auto_stepped_aside:
         lines.append("CoC is on but no layer call went through it during the first step"
-                     + (" (see the reasons above)" if totals[MegatronPath.name] else " (no patched layer was called)"))
+                     + _why_idle(mindspeed.LINEARS, " (see the reasons above)" if totals[MegatronPath.name]
+                                 else " (no patched layer was called)"))
     for name, origin in sorted(model.replaced.items()):
         lines.append(f"{name}.forward was replaced after coc-inject patched it (now: {origin}): CoC is NOT "
                      f"active for {name}")
@@ -207,6 +226,7 @@ def report(coverage) -> dict:
         "foreign_layers": dict(sorted(model.foreign_layers.items())),
         "replaced_forwards": dict(sorted(model.replaced.items())),
         "half_built_modules": dict(sorted(model.half_built.items())),
+        "beside_mindspeed": beside_mindspeed(),  # wing -> the lines it said stepping aside for MindSpeed
         "auto_decisions": [
             {"key": key.text(), "case": key.case, "shape": [key.m, key.k, key.n], "dtype": key.dtype,
              "chunks": decision.chunks, "source": decision.source,

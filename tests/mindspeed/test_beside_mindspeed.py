@@ -2,6 +2,7 @@
 imports torch_npu and never runs here): it steps aside where MindSpeed replaced what it would wrap,
 naming MindSpeed's feature, and runs where MindSpeed did not."""
 
+import json
 import logging
 import types
 
@@ -172,3 +173,57 @@ def test_multi_copy_runs_where_mindspeed_patched_only_the_moe_and_linears(applie
     copies_install.install(config, transformer_block)
     assert not _unpatched((transformer_block.TransformerBlock, "forward"))
     assert "beside MindSpeed" not in copies_install.banner(config)
+
+
+# -- what a job says of it: the first-step summary, its warnings, COC_REPORT ----------------------------------
+
+def test_a_wing_left_to_mindspeed_is_named_in_the_summary_warnings_and_report(applied):
+    """#5 of the rules, beside MindSpeed: a wing whose layers all run MindSpeed's code counts no call, so
+    the first step's line, the "no call ran" warning and COC_REPORT name MindSpeed's feature (the
+    warning guessed "context_parallel_size 1, or no local DotProductAttention" before)."""
+    from coc_inject import coverage
+
+    fake.context_parallel(applied)
+    config = CocConfig(cp_algo="ring")
+    cp_install.install(config, dot_product_attention, parallel_state)
+    accounting = coverage.Coverage(config, {})
+    line = accounting.summary_line()
+    said = "DotProductAttention is replaced by MindSpeed's --context-parallel-algo"
+    assert "; beside MindSpeed: attention: " in line and f"attention: {said}" in line, line
+    (warning,) = [w for w in accounting.warnings() if w.startswith("COC_CP_ALGO=ring")]
+    assert "(beside MindSpeed: " in warning and said in warning and "context_parallel_size 1" not in warning
+    report = accounting.report()
+    assert list(report["beside_mindspeed"]) == [mindspeed.ATTENTION]
+    assert any(said in text for text in report["beside_mindspeed"][mindspeed.ATTENTION])
+    json.dumps(report)  # the report file's content
+
+
+def test_without_mindspeed_the_warning_keeps_its_guess_and_the_report_is_empty(applied):
+    from coc_inject import coverage
+
+    accounting = coverage.Coverage(CocConfig(cp_algo="ring", multi_copy=2), {})
+    assert "beside MindSpeed" not in accounting.summary_line()
+    warnings = accounting.warnings()
+    assert any("(context_parallel_size 1, or no local DotProductAttention)" in w for w in warnings)
+    assert any("(no TransformerBlock was called)" in w for w in warnings)
+    assert accounting.report()["beside_mindspeed"] == {}
+
+
+def test_a_linear_counted_on_megatrons_path_is_not_said_twice(applied):
+    """A MindSpeed linear built after the hook is counted as Megatron's path naming the feature: the
+    summary's reasons say it, and its beside-MindSpeed tail does not repeat it."""
+    from coc_inject import coverage, routes
+
+    assert linears.install(CocConfig(parallel_num=4), layers)
+    fake.ascend_coc(applied)
+    path = linears_forward.beside_mindspeed(layers.ColumnParallelLinear)
+    accounting = coverage.Coverage(CocConfig(parallel_num=4), {})
+
+    class ColumnParallelLinear:  # a stand-in layer: Coverage keeps a weak reference and the class name
+        pass
+
+    accounting.count(ColumnParallelLinear(), path, None, lambda layer, x: [4, 2, 2])
+    line = accounting.summary_line()
+    assert line.count("is replaced by MindSpeed's --use-ascend-coc") == 1, line
+    assert "Megatron's path because: MindSpeedCoCColumnParallelLinear is replaced by" in line
+    assert isinstance(path, routes.MegatronPath)
