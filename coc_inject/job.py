@@ -17,7 +17,7 @@ import sys
 
 from coc_inject import log, megatron_version
 from coc_inject.coverage import Coverage
-from coc_inject.patches import Patches
+from coc_inject.patches import Patches, describe
 from coc_inject.pipeline import agreement
 
 LINEARS, ATTENTION, MULTI_COPY, MOE = "linears", "attention", "multi-copy", "moe"  # the wings, each with its own tuner
@@ -130,7 +130,10 @@ class Installation:
     def uninstall(self) -> None:
         while self.undo:
             self.undo.pop()()
-        self.patches.restore()
+        for owner, name, now in self.patches.restore():
+            log.logger.warning(f"uninstall: {describe(owner, name, now)} was replaced after coc-inject patched it: "
+                               "left in place (putting Megatron's original back would take that patch away); "
+                               "coc-inject's wrapper inside it stays")
         self.patched_forwards.clear()
         if self.coverage is not None:
             self.coverage.disarm()
