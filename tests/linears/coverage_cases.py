@@ -79,6 +79,8 @@ def one_step(*, sequence_parallel=True, te=False, replace_row_forward=False, con
         report = coverage.report()
         summary_lines = coverage.summary_line(), coverage.warnings()
     finally:
-        linears.uninstall()
+        linears.uninstall()  # leaves the foreign patch in place (coc_inject.patches): that patcher undoes its own
+        if replace_row_forward:
+            RowParallelLinear.forward = _MEGATRON_ROW_FORWARD[0]
         log.logger.removeHandler(handler)
     return {"log": stream.getvalue().splitlines(), "report": report, "summary": summary_lines}
