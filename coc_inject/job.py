@@ -112,6 +112,7 @@ class Installation:
             self.coverage.attention_decisions = lambda: self.decisions(ATTENTION)
             self.coverage.copies_decisions = lambda: self.decisions(MULTI_COPY)
             self.coverage.moe_decisions = lambda: self.decisions(MOE)
+            self.coverage.taken_over = self.patches.taken_over
             self.coverage.arm()
         return self.coverage
 
@@ -130,10 +131,11 @@ class Installation:
     def uninstall(self) -> None:
         while self.undo:
             self.undo.pop()()
+        still_runs = {(owner, name): runs for owner, name, _, runs in self.patches.taken_over()}
         for owner, name, now in self.patches.restore():
-            log.logger.warning(f"uninstall: {describe(owner, name, now)} was replaced after coc-inject patched it: "
-                               "left in place (putting Megatron's original back would take that patch away); "
-                               "coc-inject's wrapper inside it stays")
+            log.logger.warning(f"uninstall: {describe(owner, name, now)} was set after coc-inject patched it: left "
+                               "in place (putting Megatron's original back would take that patch away)"
+                               + ("; coc-inject's wrapper inside it stays" if still_runs.get((owner, name)) else ""))
         self.patched_forwards.clear()
         if self.coverage is not None:
             self.coverage.disarm()

@@ -36,8 +36,9 @@ class Replacement:
 
 _TP, _CP = "megatron.core.tensor_parallel", "mindspeed.core.context_parallel"
 _MOE, _MS_MOE = "megatron.core.transformer.moe", "mindspeed.core.transformer.moe.moe_feature"
+_UNALIGNED = "mindspeed.core.tensor_parallel.unaligned_layers.adaptor"
 
-# MindSpeed core_r0.12.1 (2.1.0 .. 26.1.0), mindspeed/features_manager/*: the replacements that touch
+# MindSpeed core_r0.12.1 (2.1.0, 2.2.0, 2.3.0, 26.0.0, 26.1.0), mindspeed/features_manager/*: the replacements that touch
 # what a coc-inject wing wraps. A class replacement is a subclass of Megatron's (MindSpeed's Impl
 # first in the MRO, so its forward wins).
 REPLACEMENTS = (
@@ -52,7 +53,7 @@ REPLACEMENTS = (
     Replacement(ATTENTION, "megatron.core.transformer.dot_product_attention.DotProductAttention",
                 f"{_CP}.adaptor.MindSpeedCPDotProductAttention", "--context-parallel-algo (context parallel size > 1)"),
     Replacement(ATTENTION, "megatron.core.transformer.attention.Attention.__init__",
-                f"{_CP}.adaptor.attention_init_wrapper", "--context-parallel-algo ulysses_cp_algo / hybrid_cp_algo"),
+                f"{_CP}.adaptor.attention_init_wrapper", "--context-parallel-size > 1"),
     Replacement(ATTENTION, "megatron.core.parallel_state.initialize_model_parallel",
                 f"{_CP}.model_parallel_utils.initialize_model_parallel_cp_wrapper", "--context-parallel-algo"),
     Replacement(MOE, f"{_MOE}.moe_layer.MoELayer",
@@ -68,13 +69,29 @@ REPLACEMENTS = (
     Replacement(MOE, f"{_MOE}.experts.GroupedMLP", f"{_MS_MOE}.adaptor.MindSpeedGmmExperts",
                 "--moe-grouped-gemm (MindSpeed's grouped matmul experts)"),
     Replacement(MOE, f"{_MOE}.token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess",
-                "mindspeed.core.fusions.fused_moe_permute.preprocess_sync_wrapper", "--moe-permute-fusion"),
+                "mindspeed.core.fusions.fused_moe_permute.preprocess_sync_wrapper", "--moe-permute-fusion"),  # 2.3.0+
+    Replacement(MOE, f"{_MOE}.token_dispatcher.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+                "mindspeed.core.fusions.fused_moe_permute.maybe_dtoh_and_synchronize", "--moe-permute-fusion"),  # 2.2.0+
     Replacement(MULTI_COPY, f"{_TP}.random.checkpoint", "mindspeed.core.tensor_parallel.random.checkpoint_wrapper",
-                "--recompute-in-advance / ripipe"),
+                "--recompute-in-bubble / --recompute-in-advance (ripipe)"),
     Replacement(MULTI_COPY, f"{_TP}.mappings.reduce_scatter_to_sequence_parallel_region",
                 "mindspeed.core.tensor_parallel.unaligned_layers", "--unaligned-linear"),
     Replacement(MULTI_COPY, "megatron.core.transformer.transformer_block.TransformerBlock.forward",
                 "mindspeed.core.tensor_parallel.tp_2d.adaptor.mindspeed_transformer_block_forward_wrapper", "--tp-2d"),
+    # 26.0 and later: TransformerEngineBasicFeature, on in every job (no switch), replaces the block's forward
+    Replacement(MULTI_COPY, "megatron.core.transformer.transformer_block.TransformerBlock.forward",
+                "mindspeed.te.pytorch.module.checkpoint.transformer_block_forward",
+                "TransformerBlock.forward (its Transformer Engine basics, on by default from 26.0)"),
+    Replacement(LINEARS, f"{_TP}.layers.ColumnParallelLinear",
+                f"{_UNALIGNED}.UnalignedColumnParallelLinearAdaptor", "--unaligned-linear"),
+    Replacement(LINEARS, f"{_TP}.layers.RowParallelLinear",
+                f"{_UNALIGNED}.UnalignedRowParallelLinearAdaptor", "--unaligned-linear"),
+    Replacement(ATTENTION, "megatron.core.transformer.dot_product_attention.DotProductAttention",
+                "mindspeed.core.transformer.flash_attention.alibi.adaptor.MindSpeedDotProductAttention",
+                "--position-embedding-type alibi (CP = 1)"),
+    Replacement(ATTENTION, "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
+                "mindspeed.core.transformer.flash_attention.flash_attention.adaptor.dot_product_attention_forward_impl",
+                "--use-flash-attn (CP < 2)"),
 )
 
 
@@ -100,11 +117,12 @@ def _named(obj) -> str:
     return f"{defined_in(obj)}.{getattr(obj, '__qualname__', getattr(obj, '__name__', type(obj).__name__))}"
 
 
-def feature_of(obj, wing: str) -> str:
-    """MindSpeed's feature that put ``obj`` there (the table's, else MindSpeed's object by name)."""
+def feature_of(obj, wing: str | None = None) -> str:
+    """MindSpeed's feature that put ``obj`` there (the table's rows of ``wing``, or of any wing with None;
+    else MindSpeed's object by name)."""
     name, module = _named(obj), defined_in(obj)
     for row in REPLACEMENTS:
-        if row.wing != wing:
+        if wing is not None and row.wing != wing:
             continue
         if name == row.mindspeed or name.startswith(row.mindspeed + "."):
             return f"MindSpeed's {row.feature}"

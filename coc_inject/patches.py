@@ -44,6 +44,17 @@ class Patches:
         self._ours.clear()
         return left
 
+    def taken_over(self) -> list:
+        """``(owner, name, what is there now, ours_still_runs)`` of each attribute another patcher set after
+        coc-inject's patch; ``ours_still_runs``: what is there wraps coc-inject's (its ``__wrapped__`` chain,
+        as ``functools.wraps`` leaves it, reaches it), else coc-inject's patch does not run there."""
+        found = []
+        for (owner, name), ours in self._ours.items():
+            now = _current(owner, name)
+            if now is not ours:
+                found.append((owner, name, now, _wraps(now, ours)))
+        return found
+
     def patched(self) -> list:
         """(owner, name) of every attribute patched now."""
         return list(self._originals)
@@ -52,16 +63,36 @@ class Patches:
         return bool(self._originals)
 
 
+def _wraps(outer, inner) -> bool:
+    for _ in range(64):  # a chain of wrappers, never a cycle
+        if outer is inner:
+            return True
+        outer = getattr(outer, "__wrapped__", None)
+        if outer is None:
+            return False
+    return False
+
+
 def _current(owner, name: str):
     return owner.__dict__.get(name, _absent) if isinstance(owner, type) else getattr(owner, name, _absent)
 
 
+def attribute_name(owner, name: str) -> str:
+    """"RowParallelLinear.forward", "parallel_state.initialize_model_parallel" (a module by its last name)."""
+    where = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", type(owner).__name__)
+    return f"{where.rsplit('.', 1)[-1] if not isinstance(owner, type) else where}.{name}"
+
+
+def object_name(obj) -> str:
+    """Where an attribute's value comes from: "module.qualname" ("nothing" for a deleted attribute)."""
+    if obj is _absent:
+        return "nothing"
+    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+
 def describe(owner, name: str, now) -> str:
     """"RowParallelLinear.forward (now: mindspeed.core....wrapper)" for a line about an attribute left in place."""
-    where = getattr(owner, "__qualname__", None) or getattr(owner, "__name__", type(owner).__name__)
-    what = "nothing" if now is _absent else \
-        f"{getattr(now, '__module__', None) or '?'}.{getattr(now, '__qualname__', type(now).__name__)}"
-    return f"{where}.{name} (now: {what})"
+    return f"{attribute_name(owner, name)} (now: {object_name(now)})"
 
 
 _absent = object()

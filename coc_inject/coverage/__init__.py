@@ -36,6 +36,7 @@ class Coverage(Counts):
         self.copies_decisions = dict  # () -> {CopiesKey: Decision} of COC_MULTI_COPY=auto
         self.moe_decisions = dict  # () -> {MoEKey: Decision} of COC_MOE_OVERLAP=auto
         self.communication = lambda: None  # () -> the meter's report (COC_MEASURE), set by its installation
+        self.taken_over = list  # () -> Patches.taken_over(): attributes another patcher set after coc-inject's
 
     def inspect_model(self) -> None:
         self.model.inspect([*self.job.records.values(), *self.trials.records.values()])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from coc_inject import log, megatron_version, mindspeed
+from coc_inject import log, megatron_version, mindspeed, patches
 from coc_inject.routes import (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_DISPATCHER, COPIES_CHOSE_MEGATRON, AttentionRoute, Chunked, CopiesRoute, Fused,
                                MegatronPath, MoERoute, copies_of, inner_of)
 
@@ -175,7 +175,25 @@ def warnings(coverage) -> list:
     for name, origin in sorted(model.replaced.items()):
         lines.append(f"{name}.forward was replaced after coc-inject patched it (now: {origin}): CoC is NOT "
                      f"active for {name}")
+    for attribute, row in taken_over(coverage).items():
+        if not row["ours_still_runs"]:
+            lines.append(f"{attribute} was replaced after coc-inject patched it (now: {row['now']}"
+                         + (f", {row['mindspeed']}" if row["mindspeed"] else "") + "): what coc-inject put there "
+                         "does NOT run")
     return lines
+
+
+def taken_over(coverage) -> dict:
+    """{"TransformerBlock.forward": {now, ours_still_runs, mindspeed}} of every attribute another patcher set
+    after coc-inject's (the linears' forwards are the model view's ``replaced``, said by class above)."""
+    rows = {}
+    for owner, name, now, still_runs in coverage.taken_over():
+        if name == "forward" and owner in coverage.model.patched_forwards:
+            continue
+        rows[patches.attribute_name(owner, name)] = {
+            "now": patches.object_name(now), "ours_still_runs": still_runs,
+            "mindspeed": mindspeed.feature_of(now) if mindspeed.is_mindspeed(now) else None}
+    return dict(sorted(rows.items()))
 
 
 def _layer_entry(record, route, calls: int) -> dict:
@@ -227,6 +245,7 @@ def report(coverage) -> dict:
         "replaced_forwards": dict(sorted(model.replaced.items())),
         "half_built_modules": dict(sorted(model.half_built.items())),
         "beside_mindspeed": beside_mindspeed(),  # wing -> the lines it said stepping aside for MindSpeed
+        "taken_over": taken_over(coverage),  # attributes another patcher set after coc-inject's patch
         "auto_decisions": [
             {"key": key.text(), "case": key.case, "shape": [key.m, key.k, key.n], "dtype": key.dtype,
              "chunks": decision.chunks, "source": decision.source,

@@ -40,6 +40,10 @@ EXPERTS_READS = ("config", "local_experts")
 GROUPED_EXPERTS_READS = ("config", "num_local_experts", "forward")  # GroupedMLP, TEGroupedMLP (moe/grouped.py)
 
 
+# The dispatcher's methods MindSpeed's --moe-permute-fusion replaces or wraps (coc_inject/mindspeed.py).
+MINDSPEED_DISPATCH = ("preprocess", "_maybe_dtoh_and_synchronize")
+
+
 def layer_reason(layer) -> str | None:
     """Why this MoE layer cannot run as pieces (None: it can). Decided once per layer: these are
     the layer's construction, not its input."""
@@ -48,6 +52,11 @@ def layer_reason(layer) -> str | None:
         feature = mindspeed.class_feature(type(part), mindspeed.MOE)
         if feature is not None:  # MindSpeed's class in Megatron's place: its dispatch is MindSpeed's
             return mindspeed.aside(mindspeed.MOE, f"{type(part).__name__} ({name})", feature).split(": ", 1)[1]
+    dispatcher_class = type(getattr(layer, "token_dispatcher", None))
+    for name in MINDSPEED_DISPATCH:  # methods MindSpeed sets on Megatron's class, after coc-inject's install too
+        feature = mindspeed.attribute_feature(dispatcher_class, name, mindspeed.MOE)
+        if feature is not None:
+            return mindspeed.aside(mindspeed.MOE, f"{dispatcher_class.__name__}.{name}", feature).split(": ", 1)[1]
     missing = _missing(layer, LAYER_READS)
     if missing is not None:
         return missing

@@ -10,7 +10,7 @@ dispatcher's two all-to-alls and the experts' loop move into one call in the exp
 from __future__ import annotations
 
 from coc_inject import job, mindspeed
-from coc_inject.moe import calls, permutation_stages, stages
+from coc_inject.moe import calls, guards, permutation_stages, stages
 
 
 def install(config, moe_layer_module, chunks: int | None = None) -> None:
@@ -38,7 +38,8 @@ def _install(installation, moe_layer_module, chunks: int | None = None) -> None:
     dispatcher, layer = token_dispatcher.MoEAlltoAllTokenDispatcher, moe_layer_module.MoELayer
     _left_to_mindspeed[:] = [(what, feature) for what, feature in (
         ("MoELayer", mindspeed.attribute_feature(moe_layer_module, "MoELayer", mindspeed.MOE)),
-        ("MoEAlltoAllTokenDispatcher.preprocess", mindspeed.attribute_feature(dispatcher, "preprocess", mindspeed.MOE)),
+        *((f"MoEAlltoAllTokenDispatcher.{name}", mindspeed.attribute_feature(dispatcher, name, mindspeed.MOE))
+          for name in guards.MINDSPEED_DISPATCH),
     ) if feature is not None]
     for what, feature in _left_to_mindspeed:  # MindSpeed's layer or dispatch in Megatron's place: nothing patched
         mindspeed.aside(mindspeed.MOE, what, feature)

@@ -40,6 +40,14 @@ def wrapper(module_name: str, name: str):
     return namespace[name]
 
 
+def function(module_name: str, name: str):
+    """MindSpeed's function ``module_name.name`` put in Megatron's place: its own code, calling nothing it replaced."""
+    namespace = _namespace(module_name)
+    exec(f"def {name}(*args, **kwargs):\n"
+         "    raise AssertionError('the stand-in of MindSpeed\\'s own implementation is not run here')\n", namespace)
+    return namespace[name]
+
+
 def _owner(path: str):
     parts = path.split(".")
     for cut in range(len(parts) - 1, 0, -1):
@@ -121,9 +129,24 @@ def grouped_gemm(applied: Applied) -> None:
 
 
 def moe_permute_fusion(applied: Applied) -> None:
-    """--moe-permute-fusion with the alltoall dispatcher: preprocess wrapped by MindSpeed's sync wrapper."""
-    applied.apply("megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher.preprocess",
-                  wrapper("mindspeed.core.fusions.fused_moe_permute", "preprocess_sync_wrapper"))
+    """--moe-permute-fusion with the alltoall dispatcher: preprocess wrapped by MindSpeed's sync wrapper (2.3.0+),
+    _maybe_dtoh_and_synchronize replaced (2.2.0+)."""
+    dispatcher = "megatron.core.transformer.moe.token_dispatcher.MoEAlltoAllTokenDispatcher"
+    applied.apply(f"{dispatcher}.preprocess", wrapper("mindspeed.core.fusions.fused_moe_permute", "preprocess_sync_wrapper"))
+    applied.apply(f"{dispatcher}._maybe_dtoh_and_synchronize",
+                  lambda original: function("mindspeed.core.fusions.fused_moe_permute", "maybe_dtoh_and_synchronize"))
+
+
+def te_basic_block_forward(applied: Applied) -> None:
+    """MindSpeed 26.0+, every job (TransformerEngineBasicFeature): TransformerBlock.forward replaced by its own."""
+    applied.apply("megatron.core.transformer.transformer_block.TransformerBlock.forward",
+                  lambda original: function("mindspeed.te.pytorch.module.checkpoint", "transformer_block_forward"))
+
+
+def tp_2d_block_forward(applied: Applied) -> None:
+    """--tp-2d: TransformerBlock.forward wrapped (functools.wraps: what it wraps still runs inside)."""
+    applied.apply("megatron.core.transformer.transformer_block.TransformerBlock.forward",
+                  wrapper(f"{_TP}.tp_2d.adaptor", "mindspeed_transformer_block_forward_wrapper"))
 
 
 def ripipe_checkpoint(applied: Applied) -> None:

@@ -227,3 +227,40 @@ def test_a_linear_counted_on_megatrons_path_is_not_said_twice(applied):
     assert line.count("is replaced by MindSpeed's --use-ascend-coc") == 1, line
     assert "Megatron's path because: MindSpeedCoCColumnParallelLinear is replaced by" in line
     assert isinstance(path, routes.MegatronPath)
+
+
+def test_mindspeeds_block_forward_set_after_the_hook_is_warned_about_and_reported(applied):
+    """MindSpeed 26.0+ replaces TransformerBlock.forward in every job, after coc-inject's hook patched it:
+    the copies never run there, and the first step's warnings and COC_REPORT say so, naming MindSpeed."""
+    config = CocConfig(multi_copy=2)
+    copies_install.install(config, transformer_block)
+    assert not _unpatched((transformer_block.TransformerBlock, "forward"))
+    fake.te_basic_block_forward(applied)
+    accounting = job.current().armed_coverage()
+    row = accounting.report()["taken_over"]["TransformerBlock.forward"]
+    assert row == {"now": "mindspeed.te.pytorch.module.checkpoint.transformer_block_forward", "ours_still_runs": False,
+                   "mindspeed": "MindSpeed's TransformerBlock.forward (its Transformer Engine basics, on by default "
+                                "from 26.0)"}
+    (warning,) = [w for w in accounting.warnings() if w.startswith("TransformerBlock.forward was replaced")]
+    assert "mindspeed.te.pytorch.module.checkpoint.transformer_block_forward" in warning
+    assert warning.endswith("what coc-inject put there does NOT run")
+
+
+def test_a_mindspeed_wrapper_around_coc_injects_patch_is_reported_not_warned_about(applied):
+    copies_install.install(CocConfig(multi_copy=2), transformer_block)
+    fake.tp_2d_block_forward(applied)  # functools.wraps around coc-inject's forward: it still runs inside
+    accounting = job.current().armed_coverage()
+    row = accounting.report()["taken_over"]["TransformerBlock.forward"]
+    assert row["ours_still_runs"] is True and row["mindspeed"] == "MindSpeed's --tp-2d"
+    assert not any("TransformerBlock.forward was replaced" in w for w in accounting.warnings())
+
+
+def test_mindspeeds_permute_fusion_set_after_the_hook_keeps_megatrons_dispatcher(applied):
+    """--moe-permute-fusion sets the dispatcher's methods on Megatron's own class, after coc-inject's install:
+    each MoE layer finds them there and keeps Megatron's dispatcher, naming the feature."""
+    moe_install.install(CocConfig(moe_overlap="1"), moe_layer)
+    assert not _unpatched((MOE_LAYER, "forward"))
+    fake.moe_permute_fusion(applied)
+    layer = types.SimpleNamespace(token_dispatcher=object.__new__(token_dispatcher.MoEAlltoAllTokenDispatcher),
+                                  experts=None)
+    assert "MindSpeed's --moe-permute-fusion" in moe_guards.layer_reason(layer)
