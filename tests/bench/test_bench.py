@@ -191,10 +191,13 @@ def test_bad_chunks_word_is_a_clear_error(word, capsys):
     assert f"argument --chunks: {word!r} is invalid: expected an integer >= 1" in error and "or auto" in error
 
 
-@pytest.mark.parametrize("slow,expect_coc", [((1,), True), ((2, 4, 8), False)], ids=["megatron-slow", "coc-slow"])
-def test_auto_decides_once_before_the_repetitions_and_they_run_its_n(pool2, tmp_path, slow, expect_coc):
+@pytest.mark.parametrize("slow,expect_coc,seconds", [((1,), True, 0.3), ((2, 4, 8), False, 0.1)],
+                         ids=["megatron-slow", "coc-slow"])
+def test_auto_decides_once_before_the_repetitions_and_they_run_its_n(pool2, tmp_path, slow, expect_coc, seconds):
+    # a slowed baseline must beat one hiccup's noise (0.3 s); slowed CoC counts lose unless two runs of three
+    # hiccup by more than the delay (0.1 s)
     results = pool2.run("bench_cases:auto_variant", case="row-sp", chunks=[2, "auto"], reps=3,
-                        tune_cache=str(tmp_path / "tune.json"), slow=slow)
+                        tune_cache=str(tmp_path / "tune.json"), slow=slow, seconds=seconds)
     decision = results[0]["auto"]
     for result in results:
         # One decision per rank for the whole case: the untimed call's trials; the warm-up and
