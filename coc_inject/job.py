@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from coc_inject import log, megatron_version
+from coc_inject import log, megatron_version, mindspeed
 from coc_inject.coverage import Coverage
 from coc_inject.patches import Patches, describe
 from coc_inject.pipeline import agreement
@@ -170,3 +170,4 @@ def uninstall(forget_said: bool = True) -> None:
     agreement.forget()
     if forget_said:
         log.reset_once()
+        mindspeed.said.clear()  # said again by the next installation's wings, not carried into its summary

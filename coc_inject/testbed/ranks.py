@@ -70,8 +70,11 @@ class AnswerWait:
             self.failed = True
             self._until = min(self._until, time.monotonic() + AFTER_A_FAILURE_S)
 
-    def left(self) -> float:
-        """Seconds still to await (0: give up on the ranks yet to answer)."""
+    def left(self) -> float | None:
+        """Seconds still to await (0: give up on the ranks yet to answer; None: without end, as
+        ``connection.wait`` and ``queue.get`` take it -- an infinite float overflows them)."""
+        if self._until == float("inf"):
+            return None
         return max(0.0, self._until - time.monotonic())
 
 
@@ -127,7 +130,8 @@ def _answers(queue, procs) -> list:
                 proc.kill()
             break
         try:
-            answers.append(queue.get(timeout=min(1.0, left)))  # a second at a time: a dead rank is noticed
+            # a second at a time: a dead rank is noticed
+            answers.append(queue.get(timeout=1.0 if left is None else min(1.0, left)))
             if answers[-1][0] == "error":
                 wait.failure()
         except Empty:

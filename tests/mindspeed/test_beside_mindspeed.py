@@ -264,3 +264,18 @@ def test_mindspeeds_permute_fusion_set_after_the_hook_keeps_megatrons_dispatcher
     layer = types.SimpleNamespace(token_dispatcher=object.__new__(token_dispatcher.MoEAlltoAllTokenDispatcher),
                                   experts=None)
     assert "MindSpeed's --moe-permute-fusion" in moe_guards.layer_reason(layer)
+
+
+def test_what_was_said_beside_mindspeed_goes_with_the_installation_that_said_it(applied):
+    """A re-install says its own step-asides afresh (log.once is reset with them): the last installation's
+    lines are not carried into the next one's summary and report, nor said twice there."""
+    fake.context_parallel(applied)
+    cp_install.install(CocConfig(cp_algo="ring"), dot_product_attention, parallel_state)
+    assert mindspeed.said.get(mindspeed.ATTENTION)
+    job.uninstall(forget_said=False)  # the CP wing's own re-install: nothing is said again, the lines are kept
+    assert mindspeed.said.get(mindspeed.ATTENTION)
+    job.uninstall()
+    assert mindspeed.said == {}
+    cp_install.install(CocConfig(cp_algo="ring"), dot_product_attention, parallel_state)
+    lines = mindspeed.said[mindspeed.ATTENTION]
+    assert len(lines) == len(set(lines))
