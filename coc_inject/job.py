@@ -131,11 +131,10 @@ class Installation:
     def uninstall(self) -> None:
         while self.undo:
             self.undo.pop()()
-        still_runs = {(owner, name): runs for owner, name, _, runs in self.patches.taken_over()}
-        for owner, name, now in self.patches.restore():
+        for owner, name, now, ours_still_runs in self.patches.restore():
             log.logger.warning(f"uninstall: {describe(owner, name, now)} was set after coc-inject patched it: left "
                                "in place (putting Megatron's original back would take that patch away)"
-                               + ("; coc-inject's wrapper inside it stays" if still_runs.get((owner, name)) else ""))
+                               + ("; coc-inject's wrapper inside it stays" if ours_still_runs else ""))
         self.patched_forwards.clear()
         if self.coverage is not None:
             self.coverage.disarm()

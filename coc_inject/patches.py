@@ -14,34 +14,28 @@ from __future__ import annotations
 
 class Patches:
     def __init__(self):
-        self._originals: dict = {}  # (owner, attribute name) -> original
-        self._ours: dict = {}  # (owner, attribute name) -> what coc-inject put there last
+        self._patched: dict = {}  # (owner, attribute name) -> (original, what coc-inject put there last)
 
     def original(self, owner, name: str):
         """The attribute as it was before the first patch (a class's own ``__dict__`` entry)."""
-        found = self._originals.get((owner, name), _absent)
-        if found is not _absent:
-            return found
+        found = self._patched.get((owner, name))
+        if found is not None:
+            return found[0]
         return owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
 
     def patch(self, owner, name: str, replacement) -> None:
-        self._originals.setdefault((owner, name), self.original(owner, name))
-        self._ours[(owner, name)] = replacement
+        self._patched[(owner, name)] = (self.original(owner, name), replacement)
         setattr(owner, name, replacement)
 
     def restore(self) -> list:
         """Every original put back where coc-inject's replacement is still in place; returns
-        ``(owner, name, what is there now)`` of those another patcher replaced since, left as they are."""
-        left = []
-        for key, original in self._originals.items():
-            owner, name = key
-            now = _current(owner, name)
-            if now is self._ours[key]:
+        :meth:`taken_over`'s rows, the attributes another patcher set since, left as they are."""
+        left = self.taken_over()
+        kept = {(owner, name) for owner, name, _, _ in left}
+        for (owner, name), (original, _) in self._patched.items():
+            if (owner, name) not in kept:
                 setattr(owner, name, original)
-            else:
-                left.append((owner, name, now))
-        self._originals.clear()
-        self._ours.clear()
+        self._patched.clear()
         return left
 
     def taken_over(self) -> list:
@@ -49,7 +43,7 @@ class Patches:
         coc-inject's patch; ``ours_still_runs``: what is there wraps coc-inject's (its ``__wrapped__`` chain,
         as ``functools.wraps`` leaves it, reaches it), else coc-inject's patch does not run there."""
         found = []
-        for (owner, name), ours in self._ours.items():
+        for (owner, name), (_, ours) in self._patched.items():
             now = _current(owner, name)
             if now is not ours:
                 found.append((owner, name, now, _wraps(now, ours)))
@@ -57,10 +51,10 @@ class Patches:
 
     def patched(self) -> list:
         """(owner, name) of every attribute patched now."""
-        return list(self._originals)
+        return list(self._patched)
 
     def __bool__(self) -> bool:
-        return bool(self._originals)
+        return bool(self._patched)
 
 
 def _wraps(outer, inner) -> bool:

@@ -46,7 +46,8 @@ def test_restore_leaves_a_later_patchers_replacement_and_names_it():
 
     module.initialize = theirs
     left = patches.restore()
-    assert [(owner, name) for owner, name, _ in left] == [(module, "initialize")] and left[0][2] is theirs
+    assert [(owner, name) for owner, name, _, _ in left] == [(module, "initialize")] and left[0][2] is theirs
+    assert left[0][3] is False  # it calls coc-inject's, but without functools.wraps nothing says so
     assert module.initialize is theirs and module.initialize() == "theirs over coc"
     assert Layer().forward() == "megatron"  # the one still ours was put back
     assert module.initialize is not original_initialize
