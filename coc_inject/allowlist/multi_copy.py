@@ -25,8 +25,13 @@ ATTENTION = supported(
 NUMERICS = supported(
     "numerics the copies run as Megatron does, each copy's calls the same kernels on fewer samples",
     "deterministic_mode", "batch_invariant_mode", "enable_autocast", "autocast_dtype",
-    "disable_bf16_reduced_precision_matmul", "mlp_chunks_for_training", "calculate_per_token_loss", "test_mode",
-    "use_te_rng_tracker")
+    "disable_bf16_reduced_precision_matmul", "calculate_per_token_loss", "test_mode", "use_te_rng_tracker")
+
+CHUNKED_MLP = supported(
+    "chunked MLPs (megatron-core 0.19 transformer_layer.py:871-916: the MLP called once per chunk of the "
+    "sequence): a batch copy's chunk i holds its samples of Megatron's chunk i, and an MoE router's meetings pair "
+    "each copy's i-th arrival (multi_copy/scheduler.py CopyRun.meet; tests/multi_copy/test_multi_copy_moe.py)",
+    "mlp_chunks_for_training")
 
 RECOMPUTE = supported(
     "recompute: the block's chunks recomputed as copies (multi_copy/recompute.py; what it cannot run exactly "
@@ -137,8 +142,27 @@ DETAILS = supported(
     "moe_ncclep_zero_copy", "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
     "moe_paged_stash_buffer_size_factor_cpu", "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream")
 
-ROWS = table(PARALLEL, ATTENTION, NUMERICS, RECOMPUTE, OUTSIDE, MOE, DISPATCHER, MOE_REFUSED, DROPOUT, REFUSED,
+ROWS = table(PARALLEL, ATTENTION, NUMERICS, CHUNKED_MLP, RECOMPUTE, OUTSIDE, MOE, DISPATCHER, MOE_REFUSED, DROPOUT, REFUSED,
              DETAILS)
+
+def _load_balancing_losses(config) -> list:
+    """The load-balancing losses an MoE router forms from token counts (a type other than 'none' with a
+    coefficient): 0.19 takes a type and a coefficient or a list of each."""
+    types = getattr(config, "moe_router_load_balancing_type", None) or "none"
+    coeffs = getattr(config, "moe_aux_loss_coeff", None) or 0.0
+    types = [types] if isinstance(types, str) else list(types)
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs] * len(types)
+    return [kind for kind, coeff in zip(types, coeffs) if kind != "none" and coeff]
+
+
+def _chunks_decompose(value, context) -> bool:
+    """Sequence copies with chunked MLPs: a token's own math, the z-loss (a mean over tokens), the expert
+    bias and the logged values (sums) decompose; a load-balancing loss does not: Megatron forms it per chunk
+    of each rank's rows from that chunk's token counts, and a sequence copy's chunk i holds other positions."""
+    config = context["config"]
+    return (not value or value <= 1 or not context.get("training", True)
+            or not getattr(config, "num_moe_experts", None) or not _load_balancing_losses(config))
+
 
 # Sequence copies (sequence.py): the same block split along the sequence, the copies meeting in the
 # attention. These rows override the batch copies' (sequence.reason adds its checks of the layers'
@@ -150,4 +174,7 @@ SEQUENCE_ROWS = table(
     refused("softmax_type other than 'vanilla'", "softmax_type", allows=("vanilla", None)),
     refused("multi-latent attention (not Megatron's SelfAttention)", "multi_latent_attention",
             allows=lambda value, context: not value),
+    refused("chunked MLPs with an MoE load-balancing loss: Megatron forms the loss per chunk of its sequence from "
+            "that chunk's token counts, and a sequence copy's chunk i holds other positions than Megatron's",
+            "mlp_chunks_for_training", allows=_chunks_decompose),
 )

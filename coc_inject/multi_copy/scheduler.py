@@ -29,6 +29,16 @@ from coc_inject.routes import AS_SET, Inner
 _ABSENT = object()  # a copy not yet at a meeting
 
 
+class _Meeting:
+    """One meeting of the copies: each copy's value (``_ABSENT`` until it arrives), and how many have left."""
+
+    __slots__ = ("slots", "left")
+
+    def __init__(self, n: int):
+        self.slots = [_ABSENT] * n
+        self.left = 0
+
+
 class CopyAborted(RuntimeError):
     """Another copy failed: this one stops at its next hand-over."""
 
@@ -103,7 +113,8 @@ class CopyRun(Copies):
         self._failed: BaseException | None = None
         self._cond = threading.Condition()
         self._saved: list = [None] * n
-        self._meetings: dict = {}
+        self._meetings: dict = {}  # (key, arrival) -> _Meeting
+        self._arrivals: list = [{} for _ in range(n)]  # per copy: key -> how often it reached it
 
     # -- inside a copy ------------------------------------------------------------------------
 
@@ -119,20 +130,28 @@ class CopyRun(Copies):
         self._switch(index, nxt)
 
     def meet(self, key, value) -> list:
-        """Every copy's ``value`` at the program point ``key``, which each copy reaches once: the calling
-        copy hands the baton on until all have, and they leave in copy order, copy 0 first, so their
-        turns go on as before the meeting (a program point of every copy: the same order on every
-        rank). An MoE router's batch aux loss combines the copies' token counts here."""
+        """Every copy's ``value`` at the program point ``key``: the calling copy hands the baton on until
+        all have reached it, and they leave in copy order, copy 0 first, so their turns go on as before
+        the meeting (a program point of every copy: the same order on every rank). A copy may reach
+        ``key`` more than once (megatron-core 0.19's mlp_chunks_for_training calls an MoE layer once per
+        chunk): its i-th arrival meets the other copies' i-th, and a meeting is dropped once every copy
+        has left it. An MoE router's batch aux loss combines the copies' token counts here."""
         index = copy_context.current_copy()
-        slots, left = self._meetings.setdefault(key, ([_ABSENT] * self.n, [0]))
-        slots[index] = value
-        while left[0] < index or any(slot is _ABSENT for slot in slots):
+        arrivals = self._arrivals[index]
+        occurrence = arrivals.get(key, 0)
+        arrivals[key] = occurrence + 1
+        meeting = self._meetings.setdefault((key, occurrence), _Meeting(self.n))
+        meeting.slots[index] = value
+        while meeting.left < index or any(slot is _ABSENT for slot in meeting.slots):
             nxt = self._next_after(index)
             if nxt == index or self.alone:
-                raise RuntimeError(f"multi-copy: copy {index} waits at {key!r} for a copy that cannot come")
+                raise RuntimeError(f"multi-copy: copy {index} waits at {key!r} (arrival {occurrence + 1}) for a "
+                                   "copy that cannot come")
             self._switch(index, nxt)
-        left[0] = index + 1
-        return list(slots)
+        meeting.left = index + 1
+        if meeting.left == self.n:  # the last copy out: the next arrival at ``key`` is a new meeting
+            del self._meetings[(key, occurrence)]
+        return list(meeting.slots)
 
     def _next_after(self, index: int) -> int:
         for step in range(1, self.n + 1):

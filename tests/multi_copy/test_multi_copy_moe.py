@@ -113,6 +113,33 @@ def test_the_losses_formed_per_copy_alone_would_differ(pool):
     assert diff["tracker"] > 100 * TOL and diff["params"] > TOL, diff
 
 
+def _chunks_mlps_for_training() -> bool:
+    """megatron-core 0.19+: TransformerLayer calls its MLP once per chunk of the sequence."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return "mlp_chunks_for_training" in TransformerConfig.__dataclass_fields__
+
+
+@newest_only
+def test_chunked_mlps_meet_chunk_by_chunk_or_name_the_setting(pool):
+    """Issue 51 item 2: with mlp_chunks_for_training=2 each copy reaches its routers' meetings once per
+    chunk. Batch copies: copy c's i-th arrival meets the other copy's i-th (the copies' samples of
+    Megatron's chunk i), the lm loss, the batch and sequence aux losses, the z-loss and the logged values as
+    without copies (before: the second chunk met the other copy's first-chunk counts, load-balancing
+    loss 4.0682 against 4.0637). Sequence copies (micro-batch 1) hold other positions in their chunks than
+    Megatron's: the block runs Megatron's, naming the setting; without a load-balancing loss (the
+    z-loss, a mean over tokens) they run, exact."""
+    if not _router_forms_each_loss_apart() or not _chunks_mlps_for_training():
+        pytest.skip("this megatron-core has no mlp_chunks_for_training")
+    got, _ = run(pool, "all", "0", mlp_chunks_for_training=2)
+    assert all(float(r["tracker"][0]["load_balancing_loss"].abs().sum()) > 0 for r in got)
+    refused = pool.run(CASE, copies=2, routing="all", b=1, steps=1, mlp_chunks_for_training=2)
+    reason = "mlp_chunks_for_training=2 is refused by sequence copies: chunked MLPs with an MoE load-balancing loss"
+    assert all(r["blocks"] == [(1, r["blocks"][0][1])] and reason in r["blocks"][0][1] for r in refused), \
+        [r["blocks"] for r in refused]
+    run(pool, "z_loss", "0", b=1, mlp_chunks_for_training=2)
+
+
 # Every recompute form megatron-core offers an MoE GPT here, each with every routing loss it may take
 # under copies (moe_act needs grouped GEMM experts, which cannot be built on the CPU; it steps aside as
 # layernorm does: recompute.reason).

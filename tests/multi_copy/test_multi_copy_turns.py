@@ -32,6 +32,27 @@ def test_copies_alternate_at_their_hand_overs_and_never_run_together():
     assert trace == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
 
 
+def test_a_key_met_twice_pairs_each_copys_ith_arrival_and_every_meeting_ends():
+    """Issue 51 item 2: a copy reaching one meeting key once per MLP chunk meets the others' same arrival
+    (before: its second arrival read the other copy's first value), copies leave in copy order, and
+    no meeting is left behind."""
+    met = []
+
+    def copy(index):
+        def work():
+            run = copy_context.current()
+            for chunk in range(3):
+                met.append((index, chunk, run.meet(("aux_loss", 7), (index, chunk))))
+                run.hand_over()
+        return work
+
+    run = scheduler.CopyRun(2)
+    run.run([copy(0), copy(1)])
+    assert [(index, chunk) for index, chunk, _ in met] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert all(every == [(0, chunk), (1, chunk)] for _, chunk, every in met), met
+    assert run._meetings == {}
+
+
 def test_a_failing_copy_stops_the_other_and_its_error_reaches_the_caller():
     def fails():
         copy_context.current().hand_over()
