@@ -78,7 +78,8 @@ REPLACEMENTS = (
                 "mindspeed.core.tensor_parallel.unaligned_layers", "--unaligned-linear"),
     Replacement(MULTI_COPY, "megatron.core.transformer.transformer_block.TransformerBlock.forward",
                 "mindspeed.core.tensor_parallel.tp_2d.adaptor.mindspeed_transformer_block_forward_wrapper", "--tp-2d"),
-    # 26.0 and later: TransformerEngineBasicFeature, on in every job (no switch), replaces the block's forward
+    # 26.0 and later: TransformerEngineBasicFeature, on in every job (no switch), replaces the block's forward;
+    # multi-copy reads that one as Megatron's (multi_copy/install.py READ_BLOCK_FORWARDS) and runs under it
     Replacement(MULTI_COPY, "megatron.core.transformer.transformer_block.TransformerBlock.forward",
                 "mindspeed.te.pytorch.module.checkpoint.transformer_block_forward",
                 "TransformerBlock.forward (its Transformer Engine basics, on by default from 26.0)"),

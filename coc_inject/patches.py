@@ -27,6 +27,13 @@ class Patches:
         self._patched[(owner, name)] = (self.original(owner, name), replacement)
         setattr(owner, name, replacement)
 
+    def patch_over(self, owner, name: str, replacement) -> None:
+        """Patch what another patcher set since coc-inject's patch (a replacement coc-inject reads, like
+        MindSpeed's block forward): that becomes the original :meth:`restore` puts back, so the other
+        patcher's choice stays when coc-inject leaves."""
+        self._patched[(owner, name)] = (_current(owner, name), replacement)
+        setattr(owner, name, replacement)
+
     def restore(self) -> list:
         """Every original put back where coc-inject's replacement is still in place; returns
         :meth:`taken_over`'s rows, the attributes another patcher set since, left as they are."""

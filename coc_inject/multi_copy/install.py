@@ -9,6 +9,9 @@
 * Megatron's ``tensor_parallel.checkpoint`` (full recompute): inside a copies' forward, the chunk
   recomputed as copies in the backward, in bands (recompute.py).
 * Megatron's MoE router (0.16+): its routing losses formed per copy, summing to the batch's (moe.py).
+* ``TransformerBlock.__init__``: a block built after another patcher replaced the block's forward
+  (MindSpeed's patch manager runs after this hook) finds a forward the copies read as Megatron's
+  (:data:`READ_BLOCK_FORWARDS`) wrapped in its turn; any other replacement runs alone, named.
 
 Before anything is patched, autograd_check.reason() runs the copies' backward once on a tiny graph:
 on a torch whose autograd does not behave as it assumes, every block runs Megatron's forward with
@@ -23,11 +26,29 @@ micro-batch, with every copy's gradient summed (segments.py).
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 
-from coc_inject import job, mindspeed
+from coc_inject import job, log, mindspeed
 from coc_inject.config import AUTO
 from coc_inject.multi_copy import autograd_check, cuts, forward, moe, recompute
+
+# Block forwards another patcher puts in Megatron's place that the copies run as they run Megatron's: the
+# same loop over ``self.layers`` with the same arguments, called once per copy with the copy's arguments.
+# (module that defined it, qualified name) -> what it is and where it was read.
+READ_BLOCK_FORWARDS = {
+    ("mindspeed.te.pytorch.module.checkpoint", "transformer_block_forward"):
+        "MindSpeed's block forward (TransformerEngineBasicFeature, every job from 26.0; "
+        "mindspeed/te/pytorch/module/checkpoint.py, one blob in 26.0.0 / 26.1.0 core_r0.12.1: megatron-core "
+        "0.12.1's block forward with per-layer FP8 contexts, FP8 refused by the copies' allow-list)",
+}
+
+
+def read_as_megatrons(block_forward) -> str | None:
+    """What ``block_forward`` is when the copies read it as Megatron's block forward, else None: by the
+    module that defined its code and its name (a wrapper defined elsewhere is not it)."""
+    return READ_BLOCK_FORWARDS.get((mindspeed.defined_in(block_forward), getattr(block_forward, "__qualname__", None)))
 
 
 def install(config, transformer_block_module) -> None:
@@ -56,6 +77,31 @@ def _install(installation, transformer_block_module) -> None:
     cls = transformer_block_module.TransformerBlock
     multi_copy = forward.MultiCopy(installation, autograd_check.reason())
     patches.patch(cls, "forward", forward.wrap(patches.original(cls, "forward"), multi_copy))
+    patches.patch(cls, "__init__", _reading_later_forwards(patches.original(cls, "__init__"), patches, cls, multi_copy))
+
+
+def _reading_later_forwards(init, patches, cls, multi_copy):
+    """TransformerBlock.__init__, then: was the forward coc-inject put on ``cls`` replaced since (MindSpeed's
+    adaptor sets its own after importing the module, i.e. after this hook)? One the copies read is wrapped in
+    its turn (said once); any other runs alone, MindSpeed's named beside it (the first step's warnings and
+    COC_REPORT name every replacement: Patches.taken_over)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        replaced = next((row for row in patches.taken_over() if row[:2] == (cls, "forward")), None)
+        if replaced is None or replaced[3]:  # coc-inject's forward is there, or runs inside what is
+            return
+        now = replaced[2]
+        what = read_as_megatrons(now)
+        if what is not None:
+            patches.patch_over(cls, "forward", forward.wrap(now, multi_copy))
+            log.once(("multi-copy reads", what), logging.INFO if log.global_rank() == 0 else logging.DEBUG,
+                     f"multi-copy: TransformerBlock.forward is {what}: the copies run under it")
+        elif mindspeed.is_mindspeed(now):
+            mindspeed.aside(mindspeed.MULTI_COPY, "TransformerBlock.forward", mindspeed.feature_of(now, mindspeed.MULTI_COPY))
+
+    return __init__
 
 
 def _left_to_mindspeed(transformer_block_module) -> bool:
@@ -64,8 +110,10 @@ def _left_to_mindspeed(transformer_block_module) -> bool:
     wrapped = (cuts.GATHER_MAPPING, recompute.CHECKPOINT)
     found = [(name, mindspeed.attribute_feature(importlib.import_module(module_name), name, mindspeed.MULTI_COPY))
              for module_name, name in wrapped]
-    found.append(("TransformerBlock.forward", mindspeed.attribute_feature(
-        transformer_block_module.TransformerBlock, "forward", mindspeed.MULTI_COPY)))
+    block_forward = transformer_block_module.TransformerBlock.__dict__.get("forward")
+    if read_as_megatrons(block_forward) is None:  # one the copies read is wrapped as Megatron's is
+        found.append(("TransformerBlock.forward", mindspeed.attribute_feature(
+            transformer_block_module.TransformerBlock, "forward", mindspeed.MULTI_COPY)))
     for name, feature in found:
         if feature is not None:
             mindspeed.aside(mindspeed.MULTI_COPY, name, feature)

@@ -44,6 +44,10 @@ BLOCK_CHUNKS = frozenset({
      "TransformerBlock._checkpointed_forward.<locals>.custom.<locals>.custom_forward"),
     # megatron-core 0.19.2: the same closure, moved to megatron/core/recompute.py
     ("megatron.core.recompute", "checkpointed_forward.<locals>.custom.<locals>.custom_forward"),
+    # MindSpeed 26.0+ (install.READ_BLOCK_FORWARDS): its _checkpointed_forward's closure, 0.12.1's with a
+    # per-layer FP8 context (mindspeed/te/pytorch/module/checkpoint.py, transformer_block_checkpointed_forward)
+    ("mindspeed.te.pytorch.module.checkpoint",
+     "transformer_block_checkpointed_forward.<locals>.custom.<locals>.custom_forward"),
 })
 
 

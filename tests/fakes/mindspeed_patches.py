@@ -137,16 +137,42 @@ def moe_permute_fusion(applied: Applied) -> None:
                   lambda original: function("mindspeed.core.fusions.fused_moe_permute", "maybe_dtoh_and_synchronize"))
 
 
-def te_basic_block_forward(applied: Applied) -> None:
-    """MindSpeed 26.0+, every job (TransformerEngineBasicFeature): TransformerBlock.forward replaced by its own."""
-    applied.apply("megatron.core.transformer.transformer_block.TransformerBlock.forward",
-                  lambda original: function("mindspeed.te.pytorch.module.checkpoint", "transformer_block_forward"))
+BLOCK = "megatron.core.transformer.transformer_block.TransformerBlock"
+
+
+def _te_checkpoint_module() -> dict:
+    """tests/fakes/mindspeed_te_checkpoint.py's source run in a namespace named as MindSpeed's module."""
+    import pathlib
+
+    path = pathlib.Path(__file__).with_name("mindspeed_te_checkpoint.py")
+    namespace = {"__name__": "mindspeed.te.pytorch.module.checkpoint"}
+    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), namespace)
+    return namespace
+
+
+def te_basic_block_forward(applied: Applied, recompute_method: str | None = None) -> None:
+    """MindSpeed 26.0+, every job (TransformerEngineBasicFeature.register_patches): TransformerBlock.forward
+    replaced by its own (megatron-core 0.12's, restated in mindspeed_te_checkpoint.py), and the block's
+    _checkpointed_forward too unless --recompute-method block (or --swap-attention)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    module = _te_checkpoint_module()
+    applied.apply(f"{BLOCK}.forward", lambda original: module["transformer_block_forward"])
+    # megatron-core 0.19 moved the block's recompute out of the class: MindSpeed's manager would stop there
+    if recompute_method != "block" and "_checkpointed_forward" in TransformerBlock.__dict__:
+        applied.apply(f"{BLOCK}._checkpointed_forward",
+                      lambda original: module["transformer_block_checkpointed_forward"])
+
+
+def unread_block_forward(applied: Applied) -> None:
+    """A block forward of MindSpeed's that coc-inject has not read (the same name in another module)."""
+    applied.apply(f"{BLOCK}.forward",
+                  lambda original: function("mindspeed.core.transformer.transformer_block", "transformer_block_forward"))
 
 
 def tp_2d_block_forward(applied: Applied) -> None:
     """--tp-2d: TransformerBlock.forward wrapped (functools.wraps: what it wraps still runs inside)."""
-    applied.apply("megatron.core.transformer.transformer_block.TransformerBlock.forward",
-                  wrapper(f"{_TP}.tp_2d.adaptor", "mindspeed_transformer_block_forward_wrapper"))
+    applied.apply(f"{BLOCK}.forward", wrapper(f"{_TP}.tp_2d.adaptor", "mindspeed_transformer_block_forward_wrapper"))
 
 
 def ripipe_checkpoint(applied: Applied) -> None:

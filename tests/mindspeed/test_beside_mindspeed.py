@@ -229,21 +229,35 @@ def test_a_linear_counted_on_megatrons_path_is_not_said_twice(applied):
     assert isinstance(path, routes.MegatronPath)
 
 
-def test_mindspeeds_block_forward_set_after_the_hook_is_warned_about_and_reported(applied):
-    """MindSpeed 26.0+ replaces TransformerBlock.forward in every job, after coc-inject's hook patched it:
-    the copies never run there, and the first step's warnings and COC_REPORT say so, naming MindSpeed."""
+def test_a_block_forward_set_after_the_hook_that_coc_inject_does_not_read_is_warned_about_and_reported(applied):
+    """A TransformerBlock.forward of MindSpeed's that the copies do not read (multi_copy/install.py
+    READ_BLOCK_FORWARDS), set after coc-inject's hook patched it: the copies never run there, and the first
+    step's warnings and COC_REPORT say so, naming it."""
     config = CocConfig(multi_copy=2)
     copies_install.install(config, transformer_block)
     assert not _unpatched((transformer_block.TransformerBlock, "forward"))
-    fake.te_basic_block_forward(applied)
+    fake.unread_block_forward(applied)
     accounting = job.current().armed_coverage()
     row = accounting.report()["taken_over"]["TransformerBlock.forward"]
-    assert row == {"now": "mindspeed.te.pytorch.module.checkpoint.transformer_block_forward", "ours_still_runs": False,
-                   "mindspeed": "MindSpeed's TransformerBlock.forward (its Transformer Engine basics, on by default "
-                                "from 26.0)"}
+    name = "mindspeed.core.transformer.transformer_block.transformer_block_forward"
+    assert row == {"now": name, "ours_still_runs": False, "mindspeed": f"MindSpeed's {name}"}
     (warning,) = [w for w in accounting.warnings() if w.startswith("TransformerBlock.forward was replaced")]
-    assert "mindspeed.te.pytorch.module.checkpoint.transformer_block_forward" in warning
-    assert warning.endswith("what coc-inject put there does NOT run")
+    assert name in warning and warning.endswith("what coc-inject put there does NOT run")
+
+
+def test_mindspeeds_block_forward_set_before_the_hook_is_read_as_megatrons(applied):
+    """MindSpeed 26.0+'s block forward (every job) already in place when multi-copy installs: the copies wrap
+    it as they wrap Megatron's (tests/multi_copy/test_multi_copy.py runs them under it, set after the hook);
+    uninstalling leaves MindSpeed's in place."""
+    fake.te_basic_block_forward(applied)
+    mindspeeds = transformer_block.TransformerBlock.__dict__["forward"]
+    config = CocConfig(multi_copy=2)
+    copies_install.install(config, transformer_block)
+    ours = transformer_block.TransformerBlock.__dict__["forward"]
+    assert ours is not mindspeeds and ours.__wrapped__ is mindspeeds
+    assert "beside MindSpeed" not in copies_install.banner(config)
+    job.uninstall()
+    assert transformer_block.TransformerBlock.__dict__["forward"] is mindspeeds
 
 
 def test_a_mindspeed_wrapper_around_coc_injects_patch_is_reported_not_warned_about(applied):

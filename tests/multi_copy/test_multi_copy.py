@@ -274,6 +274,45 @@ def test_a_block_call_with_copies_leaves_no_coc_attribute_on_megatrons_objects(p
     assert all(r["left"] == [] for r in got), [r["left"] for r in got]
 
 
+MINDSPEED_CASE = "tests.multi_copy.block_cases:beside_mindspeeds_block_forward"
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "full-recompute"])
+def test_copies_run_under_mindspeeds_block_forward_as_off(pool, recompute):
+    """Issue 51 item 8: MindSpeed 26.0+ puts its own TransformerBlock.forward in Megatron's place in every job,
+    after coc-inject's hook (tests/fakes/mindspeed_te_checkpoint.py restates it; its full recompute's chunks
+    too): the block built afterwards reads it as Megatron's and runs 2 copies under it, counted, their backward
+    overlapping; output and gradients as without copies under the same forward (fp32, 1e-5 relative), nothing
+    reported taken over. (megatron-core 0.19 has no _checkpointed_forward for MindSpeed's to replace.)"""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    if recompute and "_checkpointed_forward" not in vars(TransformerBlock):
+        pytest.skip("megatron-core 0.19 moved the block's recompute out of TransformerBlock: MindSpeed's patch "
+                    "manager cannot put its _checkpointed_forward there")
+    want = pool.run(MINDSPEED_CASE, copies=1, recompute=recompute)
+    got = pool.run(MINDSPEED_CASE, copies=2, recompute=recompute)
+    assert all(w["forward"] == "mindspeed.te.pytorch.module.checkpoint" for w in want)
+    for g in got:
+        assert g["route"] == (2, None) and g["taken_over"] == {} and g["said"] == [], g
+        assert g["in_turn"] is None, g["in_turn"]  # the recompute's chunks (MindSpeed's closure) as copies too
+        assert g["forward"] == "coc_inject.multi_copy.forward" and "1 calls (batch split 1)" in g["summary"], g["summary"]
+    for g, w in zip(got, want):
+        for name, value in [("output", w["output"]), ("grad", w["grad"]), *w["params"].items()]:
+            mine = g[name] if name in ("output", "grad") else g["params"][name]
+            assert (mine - value).abs().max() <= 1e-5 * value.abs().max(), name
+
+
+def test_any_other_replacement_of_the_block_forward_steps_aside_naming_it(pool):
+    """A block forward of MindSpeed's that coc-inject has not read runs alone: said beside MindSpeed (summary,
+    COC_REPORT) and reported taken over, naming it."""
+    got = pool.run(MINDSPEED_CASE, copies=2, replacement="unread")
+    name = "mindspeed.core.transformer.transformer_block.transformer_block_forward"
+    for g in got:
+        assert g["forward"] == "mindspeed.core.transformer.transformer_block", g
+        assert g["said"] and name in g["said"][0] and "coc-inject steps aside" in g["said"][0], g["said"]
+        assert g["taken_over"]["TransformerBlock.forward"]["ours_still_runs"] is False, g["taken_over"]
+
+
 @newest_only
 def test_a_torch_whose_autograd_fails_installs_check_runs_megatrons_block_with_the_reason(pool):
     got = pool.run("tests.multi_copy.block_cases:block_call", copies=2, broken_autograd=True)

@@ -165,7 +165,9 @@ def test_copies_see_their_own_rng_state_and_the_caller_goes_on_from_copy_0s():
 
 def test_install_patches_the_block_the_gather_mapping_and_the_memory_buffer_only():
     """Megatron's DDP needs no patch (its grad-ready count once per micro-batch: the copies' backward
-    runs each AccumulateGrad once, tests/multi_copy/test_multi_copy.py's DDP case); nothing dead stays."""
+    runs each AccumulateGrad once, tests/multi_copy/test_multi_copy.py's DDP case); nothing dead stays.
+    The block's __init__ reads a forward another patcher put there since (tests/multi_copy/test_multi_copy.py's
+    MindSpeed cases)."""
     from megatron.core import utils
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer import transformer_block
@@ -179,7 +181,8 @@ def test_install_patches_the_block_the_gather_mapping_and_the_memory_buffer_only
 
     moe = {(owner, name) for owner, name in patched  # the MoE routers' losses per copy (multi_copy/moe.py)
            if ".moe." in getattr(owner, "__name__", "") + "." + getattr(owner, "__module__", "")}
-    assert patched - moe == {(transformer_block.TransformerBlock, "forward"), (utils.GlobalMemoryBuffer, "get_tensor"),
+    assert patched - moe == {(transformer_block.TransformerBlock, "forward"), (transformer_block.TransformerBlock, "__init__"),
+                             (utils.GlobalMemoryBuffer, "get_tensor"),
                              (layers, "reduce_scatter_to_sequence_parallel_region"),
                              (tensor_parallel, "checkpoint")}, patched
 
