@@ -142,8 +142,8 @@ DETAILS = supported(
     "moe_ncclep_zero_copy", "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
     "moe_paged_stash_buffer_size_factor_cpu", "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream")
 
-ROWS = table(PARALLEL, ATTENTION, NUMERICS, CHUNKED_MLP, RECOMPUTE, OUTSIDE, MOE, DISPATCHER, MOE_REFUSED, DROPOUT, REFUSED,
-             DETAILS)
+ROWS = table(PARALLEL, ATTENTION, NUMERICS, CHUNKED_MLP, RECOMPUTE, OUTSIDE, MOE, DISPATCHER, MOE_REFUSED, DROPOUT,
+             REFUSED, DETAILS)
 
 def _load_balancing_losses(config) -> list:
     """The load-balancing losses an MoE router forms from token counts (a type other than 'none' with a

@@ -99,7 +99,8 @@ def _reading_later_forwards(init, patches, cls, multi_copy):
             log.once(("multi-copy reads", what), logging.INFO if log.global_rank() == 0 else logging.DEBUG,
                      f"multi-copy: TransformerBlock.forward is {what}: the copies run under it")
         elif mindspeed.is_mindspeed(now):
-            mindspeed.aside(mindspeed.MULTI_COPY, "TransformerBlock.forward", mindspeed.feature_of(now, mindspeed.MULTI_COPY))
+            feature = mindspeed.feature_of(now, mindspeed.MULTI_COPY)
+            mindspeed.aside(mindspeed.MULTI_COPY, "TransformerBlock.forward", feature)
 
     return __init__
 

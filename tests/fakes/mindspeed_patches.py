@@ -166,8 +166,8 @@ def te_basic_block_forward(applied: Applied, recompute_method: str | None = None
 
 def unread_block_forward(applied: Applied) -> None:
     """A block forward of MindSpeed's that coc-inject has not read (the same name in another module)."""
-    applied.apply(f"{BLOCK}.forward",
-                  lambda original: function("mindspeed.core.transformer.transformer_block", "transformer_block_forward"))
+    module = "mindspeed.core.transformer.transformer_block"
+    applied.apply(f"{BLOCK}.forward", lambda original: function(module, "transformer_block_forward"))
 
 
 def tp_2d_block_forward(applied: Applied) -> None:

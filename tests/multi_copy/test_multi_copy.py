@@ -295,7 +295,8 @@ def test_copies_run_under_mindspeeds_block_forward_as_off(pool, recompute):
     for g in got:
         assert g["route"] == (2, None) and g["taken_over"] == {} and g["said"] == [], g
         assert g["in_turn"] is None, g["in_turn"]  # the recompute's chunks (MindSpeed's closure) as copies too
-        assert g["forward"] == "coc_inject.multi_copy.forward" and "1 calls (batch split 1)" in g["summary"], g["summary"]
+        assert g["forward"] == "coc_inject.multi_copy.forward", g["forward"]
+        assert "1 calls (batch split 1)" in g["summary"], g["summary"]
     for g, w in zip(got, want):
         for name, value in [("output", w["output"]), ("grad", w["grad"]), *w["params"].items()]:
             mine = g[name] if name in ("output", "grad") else g["params"][name]

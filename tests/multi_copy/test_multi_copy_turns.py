@@ -181,8 +181,8 @@ def test_install_patches_the_block_the_gather_mapping_and_the_memory_buffer_only
 
     moe = {(owner, name) for owner, name in patched  # the MoE routers' losses per copy (multi_copy/moe.py)
            if ".moe." in getattr(owner, "__name__", "") + "." + getattr(owner, "__module__", "")}
-    assert patched - moe == {(transformer_block.TransformerBlock, "forward"), (transformer_block.TransformerBlock, "__init__"),
-                             (utils.GlobalMemoryBuffer, "get_tensor"),
+    block = transformer_block.TransformerBlock
+    assert patched - moe == {(block, "forward"), (block, "__init__"), (utils.GlobalMemoryBuffer, "get_tensor"),
                              (layers, "reduce_scatter_to_sequence_parallel_region"),
                              (tensor_parallel, "checkpoint")}, patched
 
