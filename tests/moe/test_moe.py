@@ -247,3 +247,24 @@ def test_the_pieces_backward_holds_at_most_one_fp32_experts_gradient_beyond_mega
         bound = 1e-5 if fused else 2.0 ** -6  # main_grad in fp32; bf16: test_moe_grouped.BF16_BOUND
         assert r["grad_diff"] <= bound * max(1.0, r["grad_scale"]), (rank, r["grad_diff"], r["grad_scale"])
         assert r["x_grad_diff"] <= 2.0 ** -6 * max(1.0, r["x_grad_scale"]), (rank, r["x_grad_diff"])
+
+
+def test_a_megatron_bridge_like_provider_runs_every_wing(pool):
+    """A GPT whose config is a Megatron-Bridge-like provider (tests/settings/bridge_like.py: a TransformerConfig
+    subclass with seq_length, vocab_size, generation_config, ... set off their defaults), TP 2 SP x EP 2: the
+    linears' chunks, the batch copies and the MoE pieces all run (before, each stepped aside naming the first
+    provider field), and it trains as coc-inject off on Megatron's own TransformerConfig (within 1e-6).
+    Every wing's allow-list, the CP attention's included: tests/settings/test_config_subclasses.py."""
+    from tests.settings.bridge_like import PROVIDER_SETTINGS
+
+    model = {"ep": 2, "tp": 2, "sp": True}
+    key = repr((sorted(model.items()), None))  # the reference test_composes_with_the_other_wings shares
+    if key not in _references:
+        _references[key] = pool.run("tests.moe.moe_cases:train_gpt", coc=None, **model)
+    got = pool.run("tests.moe.moe_cases:train_gpt", coc={"moe_overlap": "1", "parallel_num": 4, "multi_copy": 2},
+                   config_class="tests.settings.bridge_like:GPTProviderLike", **PROVIDER_SETTINGS, **model)
+    assert_same_training(got, _references[key])
+    for r in got:
+        assert r["config_class"] == "GPTProviderLike"
+        assert r["linear_calls"] > 0 and r["blocks"] == [None], (r["linear_calls"], r["blocks"])
+        assert in_pieces(r["routes"], 4), r["routes"]
