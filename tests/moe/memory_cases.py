@@ -79,6 +79,7 @@ def backward_peak_case(fused: bool, experts: int = 8, hidden: int = 64, ffn: int
         "local_experts": layer.num_local_experts,
         "grad_diff": max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()),
         "grad_scale": max(g.abs().max().item() for g in off["grads"].values()),
-        "x_grad_diff": (on["x_grad"] - off["x_grad"]).abs().max().item(), "x_grad_scale": off["x_grad"].abs().max().item(),
+        "x_grad_diff": (on["x_grad"] - off["x_grad"]).abs().max().item(),
+        "x_grad_scale": off["x_grad"].abs().max().item(),
         "same_params": sorted(on["grads"]) == sorted(off["grads"]),
     }

@@ -243,7 +243,8 @@ def test_the_pieces_backward_holds_at_most_one_fp32_experts_gradient_beyond_mega
         assert r["pieces"] == 8 and r["local_experts"] == 4 and r["same_params"], r
         assert (r["fused_calls"] > 0) == fused
         one_fp32_expert = 4 * r["expert_numel"]
-        assert r["pieces_peak"] <= r["off_peak"] + one_fp32_expert, (rank, r["pieces_peak"], r["off_peak"], one_fp32_expert)
+        assert r["pieces_peak"] <= r["off_peak"] + one_fp32_expert, (rank, r["pieces_peak"], r["off_peak"],
+                                                                     one_fp32_expert)
         bound = 1e-5 if fused else 2.0 ** -6  # main_grad in fp32; bf16: test_moe_grouped.BF16_BOUND
         assert r["grad_diff"] <= bound * max(1.0, r["grad_scale"]), (rank, r["grad_diff"], r["grad_scale"])
         assert r["x_grad_diff"] <= 2.0 ** -6 * max(1.0, r["x_grad_scale"]), (rank, r["x_grad_diff"])

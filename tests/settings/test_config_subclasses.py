@@ -34,8 +34,8 @@ def test_every_wings_allow_list_takes_a_bridge_like_provider_as_megatrons_config
 
 def test_a_provider_field_megatron_reads_is_still_classified_by_its_row():
     """yarn_* are subclass fields Megatron's attention reads (subclasses.ROPE): checked, supported."""
-    yarn = dataclasses.make_dataclass("YarnProvider", [("yarn_rotary_scaling_factor", float, 1.0),
-                                                       ("yarn_mscale", float, 1.0)], bases=(bridge_like.GPTProviderLike,))
+    fields = [("yarn_rotary_scaling_factor", float, 1.0), ("yarn_mscale", float, 1.0)]
+    yarn = dataclasses.make_dataclass("YarnProvider", fields, bases=(bridge_like.GPTProviderLike,))
     config = provider(yarn, yarn_rotary_scaling_factor=40.0, yarn_mscale=0.707)
     for wing in WINGS:
         assert check.refusal(config, wing, **CONTEXT) is None
