@@ -12,6 +12,7 @@ linears.py           the tensor-parallel linears' rows
 context_parallel.py  the context-parallel attention's rows
 multi_copy.py        multi-copy's rows, and the sequence copies' on top of them
 moe.py               the MoE pieces' rows
+subclasses.py        a config subclass's own fields (not read by Megatron's layers), what it may not override
 check.py             the checker: refusal(config, wing, **context), the tables per wing
 matrix.py            the wing x setting matrix of docs/compatibility.md, made from the rows
 """

@@ -1,7 +1,9 @@
 """The checker: :func:`refusal` (why a wing must leave this config's layer, call or block to Megatron,
 or None), the tables per wing, and :func:`unclassified` (what the tests hold at nothing).
 
-A field's default is the dataclass field's (``default``, or ``default_factory()``); a field whose
+A field's default is the dataclass field's (``default``, or ``default_factory()``; Megatron's where a subclass
+redeclares it); a field only a subclass of Megatron's config declares is not read by Megatron's layers and
+goes unchecked, and a subclass overriding what the layers call is refused (subclasses.py); a field whose
 value ``__post_init__`` derives (``ffn_hidden_size``, ``kv_channels``, ``init_method``,
 ``recompute_modules``, ...) is classified explicitly by every wing, so its default never decides.
 The checks are compiled once per config class and wing: a call reads only the rows that can refuse.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from coc_inject.allowlist import common, context_parallel, linears, moe, multi_copy
+from coc_inject.allowlist import common, context_parallel, linears, moe, multi_copy, subclasses
 from coc_inject.allowlist.rows import IRRELEVANT, REFUSED, SUPPORTED, off
 
 LINEARS, CONTEXT_PARALLEL, MULTI_COPY, SEQUENCE_COPIES, MOE = (
@@ -37,7 +39,7 @@ WINGS = {wing.name: wing for wing in (
 )}
 
 _MISSING = dataclasses.MISSING
-_compiled: dict = {}  # (config class, wing) -> ((name, row or None, default), ...): the fields that can refuse
+_compiled: dict = {}  # (config class, wing) -> (what a subclass overrides or None, ((name, row or None, default), ...))
 
 
 def refusal(config, wing: str, **context) -> str | None:
@@ -48,7 +50,11 @@ def refusal(config, wing: str, **context) -> str | None:
     values = context.pop("values", None) or {}
     context["config"] = config
     spec = WINGS[wing]
-    for name, row, default in _checks(type(config), spec):
+    overridden, checks = _checks(type(config), spec)
+    if overridden is not None:
+        return (f"{type(config).__name__} overrides what Megatron's layers call on their config ({overridden}) "
+                f"and is refused by {spec.label}: {spec.fallback}")
+    for name, row, default in checks:
         value = values[name] if name in values else getattr(config, name, _MISSING)
         if value is _MISSING:
             continue
@@ -68,16 +74,20 @@ def _checks(cls, spec: Wing) -> tuple:
     key = (cls, spec.name)
     found = _compiled.get(key)
     if found is None:
-        checks = []
+        checks, overridden = [], None
         if dataclasses.is_dataclass(cls):
+            megatron = subclasses.megatron_fields(cls)
+            overridden = None if megatron is None else subclasses.overridden(cls, megatron)
             for field in dataclasses.fields(cls):
                 row = spec.rows.get(field.name)
+                if megatron is not None and row is None and not subclasses.read_by_megatron(field.name, megatron):
+                    continue  # a subclass's own field (Megatron-Bridge's seq_length, ...): no layer reads it
                 if row is None or row.verdict == REFUSED or (row.verdict == SUPPORTED and row.allows is not None):
-                    checks.append((field.name, row, _default(field)))
+                    checks.append((field.name, row, _default((megatron or {}).get(field.name, field))))
         else:  # a stand-in config (not Megatron's dataclass): the rows that can refuse, by attribute
             checks = [(name, row, _MISSING) for name, row in spec.rows.items()
                       if row.verdict != IRRELEVANT and not (row.verdict == SUPPORTED and row.allows is None)]
-        found = _compiled[key] = tuple(checks)
+        found = _compiled[key] = (overridden, tuple(checks))
     return found
 
 

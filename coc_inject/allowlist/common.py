@@ -3,6 +3,7 @@ overrides a row here; a setting whose verdict differs between wings is in each w
 
 from __future__ import annotations
 
+from coc_inject.allowlist import subclasses
 from coc_inject.allowlist.rows import irrelevant, supported, table
 
 PIPELINE = irrelevant(
@@ -93,4 +94,5 @@ MOE_LAYER_SETTINGS = (
     "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
     "moe_paged_stash_buffer_size_factor_cpu",)
 
-ROWS = table(PIPELINE, INITIALISATION, LOOP, OUTSIDE, INFERENCE, MAMBA, SHAPE, TOKENWISE, MLA_SHAPE)
+ROWS = table(PIPELINE, INITIALISATION, LOOP, OUTSIDE, INFERENCE, MAMBA, SHAPE, TOKENWISE, MLA_SHAPE,
+             subclasses.ROWS)  # names Megatron reads off a subclass's fields

@@ -114,10 +114,22 @@ class MoECall:
         needs_grad = torch.is_grad_enabled() and (tokens.requires_grad or probs.requires_grad or bool(parameters))
         tp_group = dispatcher.tp_group if dispatcher.tp_size > 1 else None
         layout = counts.piece_layout(dispatcher, chunks, self.sent, self.received, in_groups)
-        run = PieceRun(layout, expert, dispatcher.ep_group, tp_group, dispatcher.probs.dtype, needs_grad)
+        run = PieceRun(layout, expert, dispatcher.ep_group, tp_group, dispatcher.probs.dtype, needs_grad,
+                       None if in_groups else _reaches(layout, experts, parameters))
         # The experts' parameters are the Function's inputs: their gradients, summed over the pieces, reach
         # autograd once per layer call, as from Megatron's experts (one AccumulateGrad, one DDP hook each).
         return PipelinedExperts.apply(tokens, probs, run, *(parameters if needs_grad else ()))
+
+
+def _reaches(layout: list, experts, parameters: list) -> list:
+    """Per piece of SequentialMLP, the indices in ``parameters`` of its local expert's (and of any parameter
+    outside the local experts): a sum is rounded after the last piece that can reach it (gradient_sums.py)."""
+    owners: dict = {}
+    for j, local in enumerate(experts.local_experts):
+        for param in local.parameters():
+            owners.setdefault(id(param), set()).add(j)
+    return [tuple(i for i, param in enumerate(parameters) if piece.expert in owners.get(id(param), (piece.expert,)))
+            for piece in layout]
 
 
 _current: contextvars.ContextVar = contextvars.ContextVar("coc_inject_moe_call", default=None)

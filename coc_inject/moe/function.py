@@ -21,10 +21,9 @@ from typing import Callable
 
 import torch
 
+from coc_inject.moe.gradient_sums import GradientSums
 from coc_inject.moe.layout import Piece
 from coc_inject.moe.transfers import AllGatherRows, AllToAll, Chain, ReduceScatterRows
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 def _gather_rows(buffer: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -48,6 +47,7 @@ class PieceRun:
     tp_group: object  # the expert tensor-parallel group; None without expert TP
     combine_dtype: torch.dtype  # Megatron reduce-scatters the experts' output in the probs' dtype
     needs_grad: bool
+    reaches: list = None  # per piece: the indices of the parameters it can reach, None: all (gradient_sums.py)
     saved: list = None  # per piece: (tokens leaf, probs leaf, output) for the backward
 
     def to_experts(self, piece: Piece, via=None) -> list:
@@ -60,23 +60,18 @@ class PieceRun:
         moves = [ReduceScatterRows(list(piece.tp_sizes), self.tp_group, via)] if self.tp_group else []
         return moves + [AllToAll(list(piece.recv_splits), piece.send_splits, self.ep_group)]
 
-    def backward(self, output, grad_output, leaves, params, sums: list) -> list:
+    def backward(self, output, grad_output, leaves, params, sums: GradientSums, piece: int) -> list:
         """The gradients of ``leaves`` (zeros where none flows); the parameters' added into ``sums``.
 
         ``grad``, never ``backward``: no AccumulateGrad runs per piece. Megatron's experts give each
         parameter one gradient per layer call, and its DDP hook fires once: megatron-core 0.12 to 0.15
-        assert it ("Cannot set grad twice" under overlap_grad_reduce), 0.16+ count the calls. A linear
-        with fused accumulation adds its share into ``main_grad`` itself and returns a placeholder,
-        kept once as Megatron's."""
-        grads = torch.autograd.grad(output, list(leaves) + list(params), grad_output, allow_unused=True)
-        for index, (param, grad) in enumerate(zip(params, grads[len(leaves):])):
-            if grad is None:
-                continue
-            if sums[index] is None:  # a half-precision gradient summed in fp32, rounded once at the end
-                sums[index] = grad.float() if grad.dtype in HALF else grad
-            elif not getattr(param, "grad_added_to_main_grad", False):
-                sums[index] = sums[index] + grad  # fp32 + half promotes to fp32
-        return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, grads[:len(leaves)])]
+        assert it ("Cannot set grad twice" under overlap_grad_reduce), 0.16+ count the calls."""
+        reached = [params[index] for index in sums.reaches[piece]]
+        grads = list(torch.autograd.grad(output, list(leaves) + reached, grad_output, allow_unused=True))
+        leaf_grads, param_grads = grads[:len(leaves)], grads[len(leaves):]
+        del grads  # each parameter's share freed as soon as it is summed
+        sums.add(piece, param_grads)
+        return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, leaf_grads)]
 
 
 class PipelinedExperts(torch.autograd.Function):
@@ -127,13 +122,15 @@ class PipelinedExperts(torch.autograd.Function):
         def combine_backward(p):
             return Chain(run.to_experts(pieces[p], run.combine_dtype), [_gather_rows(grad_combined, pieces[p])])
 
-        inflight, returns, sums = combine_backward(0), [], [None] * len(ctx.params)
+        sums = GradientSums(ctx.params, run.reaches or [None] * len(pieces))
+        inflight, returns = combine_backward(0), []
         for p, piece in enumerate(pieces):
             (grad_output,) = inflight.finish()
             if p + 1 < len(pieces):
                 inflight = combine_backward(p + 1)
             piece_tokens, piece_probs, output = saved[p]
-            grads = run.backward(output, grad_output.to(output.dtype), (piece_tokens, piece_probs), ctx.params, sums)
+            grads = run.backward(output, grad_output.to(output.dtype), (piece_tokens, piece_probs), ctx.params, sums, p)
+            saved[p] = None  # this piece's leaves and output: freed before the next piece's backward
             if p + 1 < len(pieces):
                 inflight.advance()
             returns.append(Chain(run.from_experts(piece), grads))
@@ -145,8 +142,5 @@ class PipelinedExperts(torch.autograd.Function):
             rows_tokens, rows_probs = chain.finish()
             _scatter_rows(grad_tokens, piece, rows_tokens)
             _scatter_rows(grad_probs, piece, rows_probs)
-        # a parameter no piece reached (an expert without rows anywhere) gets zeros, as from Megatron's
-        # experts, which run every local expert, rows or none: its DDP hook fires as Megatron's would
-        params = [torch.zeros_like(param) if grad is None else grad.to(param.dtype) for param, grad in zip(ctx.params, sums)]
         ctx.params = None
-        return (grad_tokens, grad_probs, None, *params)
+        return (grad_tokens, grad_probs, None, *sums.results())

@@ -91,8 +91,15 @@ def seed_parameters(module, local_experts: int) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
 
 
-def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, **extra):
+def moe_config(*, experts=4, topk=2, hidden=16, ep=2, tp=1, etp=1, sp=False, config_class=None, **extra):
+    """``config_class``: "module:name" of a TransformerConfig subclass to build instead (a Bridge-like provider)."""
+    import importlib
+
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if config_class is not None:
+        module, _, name = config_class.partition(":")
+        TransformerConfig = getattr(importlib.import_module(module), name)  # noqa: N806
 
     settings = dict(
         num_layers=1, hidden_size=hidden, num_attention_heads=4, ffn_hidden_size=2 * hidden,
@@ -325,8 +332,10 @@ def train_gpt(coc=None, steps=3, b=2, seq=16, vocab=64, ep=2, tp=1, etp=1, cp=1,
         losses.append(loss.item())
     routes = [route_of(m) for m in gpt.modules() if isinstance(m, MoELayer) and hasattr(m, "_coc_moe")]
     blocks = [last_route(m).reason for m in gpt.modules() if last_route(m) is not None]
+    installation = job.current()
+    engine = getattr(installation, "engine", None) if installation is not None else None
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in gpt.named_parameters()}, "routes": routes,
-            "blocks": blocks}
+            "blocks": blocks, "linear_calls": getattr(engine, "calls", 0), "config_class": type(gpt.config).__name__}
 
 
 def refusal_reasons() -> dict:

@@ -229,3 +229,43 @@ def test_composes_with_the_other_wings(pool, coc, reference, model, pieces):
     for r in got:
         routes = [route for route in r["routes"] if route != ("megatron", AUTO_CHOSE_MEGATRON)]
         assert r["routes"] and (in_pieces(routes, pieces) or not routes), r["routes"]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["bf16", "bf16-fused-wgrad"])
+def test_the_pieces_backward_holds_at_most_one_fp32_experts_gradient_beyond_megatrons(pool, fused):
+    """Peak CPU memory allocated through an MoE layer's backward (torch's profiler, every allocation; bf16
+    weights, 4 local experts, 2 pieces each): the pieces' at most Megatron's own + one local expert's gradient
+    in fp32. Before, every local expert's gradient was held in fp32 at once (a copy of the fused-accumulation
+    placeholder with ``gradient_accumulation_fusion``), and each later piece allocated a new sum. The
+    gradients (``main_grad`` with fused accumulation) as Megatron's: bf16 within the grouped pieces' bound."""
+    results = pool.run("tests.moe.memory_cases:backward_peak_case", fused=fused)
+    for rank, r in enumerate(results):
+        assert r["pieces"] == 8 and r["local_experts"] == 4 and r["same_params"], r
+        assert (r["fused_calls"] > 0) == fused
+        one_fp32_expert = 4 * r["expert_numel"]
+        assert r["pieces_peak"] <= r["off_peak"] + one_fp32_expert, (rank, r["pieces_peak"], r["off_peak"],
+                                                                     one_fp32_expert)
+        bound = 1e-5 if fused else 2.0 ** -6  # main_grad in fp32; bf16: test_moe_grouped.BF16_BOUND
+        assert r["grad_diff"] <= bound * max(1.0, r["grad_scale"]), (rank, r["grad_diff"], r["grad_scale"])
+        assert r["x_grad_diff"] <= 2.0 ** -6 * max(1.0, r["x_grad_scale"]), (rank, r["x_grad_diff"])
+
+
+def test_a_megatron_bridge_like_provider_runs_every_wing(pool):
+    """A GPT whose config is a Megatron-Bridge-like provider (tests/settings/bridge_like.py: a TransformerConfig
+    subclass with seq_length, vocab_size, generation_config, ... set off their defaults), TP 2 SP x EP 2: the
+    linears' chunks, the batch copies and the MoE pieces all run (before, each stepped aside naming the first
+    provider field), and it trains as coc-inject off on Megatron's own TransformerConfig (within 1e-6).
+    Every wing's allow-list, the CP attention's included: tests/settings/test_config_subclasses.py."""
+    from tests.settings.bridge_like import PROVIDER_SETTINGS
+
+    model = {"ep": 2, "tp": 2, "sp": True}
+    key = repr((sorted(model.items()), None))  # the reference test_composes_with_the_other_wings shares
+    if key not in _references:
+        _references[key] = pool.run("tests.moe.moe_cases:train_gpt", coc=None, **model)
+    got = pool.run("tests.moe.moe_cases:train_gpt", coc={"moe_overlap": "1", "parallel_num": 4, "multi_copy": 2},
+                   config_class="tests.settings.bridge_like:GPTProviderLike", **PROVIDER_SETTINGS, **model)
+    assert_same_training(got, _references[key])
+    for r in got:
+        assert r["config_class"] == "GPTProviderLike"
+        assert r["linear_calls"] > 0 and r["blocks"] == [None], (r["linear_calls"], r["blocks"])
+        assert in_pieces(r["routes"], 4), r["routes"]
