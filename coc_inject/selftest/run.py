@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 
-from coc_inject import __version__
+from coc_inject import __version__, log
 from coc_inject.selftest import staged_p2p
 from coc_inject.testbed import ranks
 
@@ -34,7 +34,7 @@ def _wings(text: str) -> list:
 def parser() -> argparse.ArgumentParser:
     from coc_inject.selftest import __doc__ as doc
 
-    parser = argparse.ArgumentParser(prog="coc-inject selftest", description=doc.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="coc-inject selftest", description=log.help_text(doc.split("\n\n")[0]))
     parser.add_argument("--cases", type=_wings, default=list(WINGS), metavar="WINGS",
                         help=f"comma-separated, default all: {','.join(WINGS)}")
     parser.add_argument("--json", metavar="PATH", help="write the whole result (versions, device, every case) here")
@@ -144,6 +144,7 @@ def verdict(rows: list, wings: list) -> tuple:
 
 
 def main(argv=None) -> int:
+    log.quiet_numpy_warning()
     options = parser().parse_args(argv)
     setup = ranks.Setup(world=options.world, megatron=False, command="coc-inject selftest",
                         device_variable="COC_SELFTEST_DEVICE")
