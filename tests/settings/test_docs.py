@@ -155,6 +155,7 @@ CONTRADICTIONS = [
     r"\b(run|ran|verified)( for real)? on (the )?CPU only\b",
     r"\bonly the CPU\b[^.;|]{0,30}\b(run|ran)\b",
     r"\bverified: CPU only\b",
+    r"\bonly (the )?CPU( \+ gloo)? ran\b",
     r"\(not run on a GPU\)",
 ]
 
