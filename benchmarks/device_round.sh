@@ -14,7 +14,8 @@ nvidia-smi -L; python3 -c "import torch, megatron.core as m; print('torch', torc
 failed=0  # any step's failure makes the round's exit status 1 (each step still runs)
 step() {
     local limit=$1 rc; shift; echo "=== $* (limit ${limit}s) $(date +%T)"
-    timeout "$limit" "$@"; rc=$?; echo "=== rc $rc $(date +%T)"; [ $rc -eq 0 ] || failed=1
+    # rc 3: the self-test passed what it ran and named what it could not check (one rank: the multi-rank wings)
+    timeout "$limit" "$@"; rc=$?; echo "=== rc $rc $(date +%T)"; [ $rc -eq 0 ] || [ $rc -eq 3 ] || failed=1
 }
 run="python3 -m torch.distributed.run"
 shared() {  # shared LIMIT RANKS WINGS NAME: the self-test's WINGS on RANKS ranks sharing the GPU over gloo

@@ -27,7 +27,7 @@ import os
 import shlex
 import sys
 
-from coc_inject import __version__, bootstrap
+from coc_inject import __version__, bootstrap, log
 
 
 
@@ -108,8 +108,11 @@ def _bootstrap_report(site_dir: str | None) -> list[str]:
     if skipped:
         lines.append(f"will run          : NO in this interpreter: started with {' '.join(skipped)}, which "
                      "skips PYTHONPATH/site, so the bootstrap never runs")
-    else:
-        lines.append(f"will run          : {'yes' if on_path else 'no'} (python -I, -E or -S would skip it)")
+    elif on_path:
+        lines.append("will run          : yes (unless a job starts Python with -I, -E or -S, which skip it)")
+    else:  # the reason is the path, not the interpreter's flags
+        lines.append("will run          : no: the bootstrap dir is not on PYTHONPATH (source env/coc.sh, "
+                     "eval \"$(coc-inject env)\" or coc-inject run -- CMD)")
     requested = bootstrap.requested()
     lines.append(f"CoC requested     : {'yes' if requested else 'no'} (by the environment / command line)")
     if site_dir is not None:
@@ -294,7 +297,7 @@ def cmd_reference(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coc-inject", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="coc-inject", description=log.help_text(__doc__.split("\n\n")[0]))
     parser.add_argument("--version", action="version", version=f"coc-inject {__version__}")
     commands = parser.add_subparsers(dest="command_name", required=True)
     commands.add_parser("status", help="show configuration, bootstrap and backends").set_defaults(func=cmd_status)
@@ -321,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    log.quiet_numpy_warning()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:
         from coc_inject.bench.run import main as bench_main

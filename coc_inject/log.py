@@ -64,3 +64,22 @@ def reset_once() -> None:
     """Forget which messages were said (used by uninstall, so a re-install reports afresh)."""
     with _once_lock:
         _once_keys.clear()
+
+
+def help_text(doc: str) -> str:
+    """A docstring's text as a command's --help prints it: without reST markup (``x``, :func:`x`)."""
+    import re
+
+    return re.sub(r":[a-z]+:`([^`]*)`", r"\1", doc).replace("``", "")
+
+
+# torch warns 'Failed to initialize NumPy: No module named numpy' at import where NumPy is not installed;
+# none of coc-inject's commands needs NumPy. The filter as -W / PYTHONWARNINGS spell it (for local ranks).
+NUMPY_WARNING_FILTER = "ignore:Failed to initialize NumPy:UserWarning"
+
+
+def quiet_numpy_warning() -> None:
+    """Ignore torch's one warning that NumPy is missing in this process (before torch's import)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)

@@ -60,8 +60,10 @@ _coc_inject_env() {
             unset COC_DISABLE ;;
     esac
 
+    # Every COC_* / USE_COC_* variable set in the environment, every wing's (COC_MULTI_COPY, COC_CP_ALGO,
+    # COC_MOE_OVERLAP, ...): a list of names here would miss the next wing's.
     _coc_vars=""
-    for _coc_name in COC_DISABLE COC_PARALLEL_NUM USE_COC_FUSED_KERNEL COC_CUSTOMIZED COC_CONFIG; do
+    for _coc_name in $(env | sed -n 's/^\(\(USE_\)\{0,1\}COC_[A-Za-z0-9_]*\)=.*/\1/p' | LC_ALL=C sort -u); do
         eval "_coc_set=\${$_coc_name+x}"
         if [ -n "$_coc_set" ]; then
             eval "_coc_val=\${$_coc_name}"

@@ -22,6 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from coc_inject import log
 from coc_inject.bench import cases
 from coc_inject.testbed import ranks
 from coc_inject.testbed.link import EmulatedLink, LinkError
@@ -41,7 +42,7 @@ def chunk_variant(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coc-inject bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="coc-inject bench", description=log.help_text(__doc__.split("\n\n")[0]))
     parser.add_argument("--link", metavar="RATE", help="emulate a link of this rate between the 2 ranks, "
                         "e.g. 1gbit (root only)")
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), choices=list(cases.CASES),

@@ -11,6 +11,9 @@ moe.py (the MoE pieces vs Megatron's dispatcher) and meter.py (COC_MEASURE's exp
 a sleep-backed fake collective vs its true time). "CoC ms" is coc-inject's time, "ref ms" what it is
 compared with: the unfused matmul + collective, the reference kernel, one rank's whole-sequence
 attention, Megatron's block, Megatron's dispatcher; the meter's: its exposed time, the true one. A case that fails its bound makes the exit
-status 1 and is named; cases a device cannot run are listed with why. ``COC_SELFTEST_DEVICE=npu`` picks the
+status 1 and is named; cases a device cannot run are listed with why. The last line is the verdict: ``PASS``
+(exit 0) only when every wing asked for was checked; ``PASSED WHAT RAN`` (exit 3) when nothing failed but a
+wing, or some of its cases, was not checked here, named with why (megatron-core not importable: the
+multi-copy and MoE cases; one rank: the multi-rank wings). ``COC_SELFTEST_DEVICE=npu`` picks the
 Ascend NPU under torchrun.
 """

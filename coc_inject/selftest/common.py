@@ -88,6 +88,8 @@ def row(wing: str, case: str, backend: str, errors: dict, dtype: str, coc_ms: fl
             **detail}
 
 
-def skipped(wing: str, case: str, backend: str, why: str) -> dict:
-    """A case this device cannot run, and why (not a failure)."""
-    return {"wing": wing, "case": case, "backend": backend, "skipped": why}
+def skipped(wing: str, case: str, backend: str, why: str, missing: str | None = None) -> dict:
+    """A case this device cannot run, and why (not a failure). ``missing``: the package whose absence
+    stopped it (the verdict names the wing as not checked, and the exit status says so)."""
+    return {"wing": wing, "case": case, "backend": backend, "skipped": why,
+            **({"missing": missing} if missing else {})}

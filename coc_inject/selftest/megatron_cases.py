@@ -18,7 +18,8 @@ def run_case(ctx, wing: str, case: str, backend: str, one_rank: str, check, **si
     try:
         import megatron.core  # noqa: F401
     except ImportError as error:
-        return [common.skipped(wing, case, backend, f"megatron-core is not importable ({error})")]
+        return [common.skipped(wing, case, backend, f"megatron-core is not importable ({error})",
+                                missing="megatron-core")]
     with megatron_state(ctx, **sizes):
         return [check(ctx, case, backend)]
 

@@ -10,9 +10,14 @@ import os
 import platform
 import sys
 
-from coc_inject import __version__
+from coc_inject import __version__, log
 from coc_inject.selftest import staged_p2p
 from coc_inject.testbed import ranks
+
+# The exit status: every wing checked and every case within its bound; a case out of its bound; nothing out
+# of bound, but a wing (or a wing's cases) not checked here: a package missing (megatron-core), or no
+# case of that wing could run on this device or world size. Usage errors exit 2 (argparse).
+PASSED, FAILED, PASSED_WHAT_RAN = 0, 1, 3
 
 WINGS = {"linears": "linears", "attention-kernels": "kernels", "context-parallel": "context_parallel",
          "multi-copy": "multi_copy", "moe": "moe", "meter": "meter"}  # --cases name -> module of coc_inject.selftest
@@ -29,7 +34,7 @@ def _wings(text: str) -> list:
 def parser() -> argparse.ArgumentParser:
     from coc_inject.selftest import __doc__ as doc
 
-    parser = argparse.ArgumentParser(prog="coc-inject selftest", description=doc.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="coc-inject selftest", description=log.help_text(doc.split("\n\n")[0]))
     parser.add_argument("--cases", type=_wings, default=list(WINGS), metavar="WINGS",
                         help=f"comma-separated, default all: {','.join(WINGS)}")
     parser.add_argument("--json", metavar="PATH", help="write the whole result (versions, device, every case) here")
@@ -103,7 +108,43 @@ def failures(rows: list) -> list:
             + f" > {r['bound']:.0e}" for r in rows if "skipped" not in r and not r["passed"]]
 
 
+def not_checked(rows: list, wings: list) -> list:
+    """'wing (k of n cases)' groups by why, for the cases a missing package stopped and for each wing
+    of which no case ran: ['moe (1 of 1 cases), multi-copy (3 of 4 cases): megatron-core is not
+    importable', ...]; empty when every wing was checked."""
+    reasons = {}  # why -> {wing: cases not checked}
+    for wing in wings:
+        own = [r for r in rows if r["wing"] == wing]
+        ran = any("skipped" not in r for r in own)
+        for r in own:
+            if "missing" in r:
+                why = f"{r['missing']} is not importable"
+            elif not ran:  # 'world size 1: ...' -> 'world size 1'
+                why = r["skipped"].split(":")[0]
+            else:
+                continue
+            reasons.setdefault(why, {}).setdefault(wing, 0)
+            reasons[why][wing] += 1
+    return [", ".join(f"{wing} ({count} of {sum(r['wing'] == wing for r in rows)} cases)"
+                      for wing, count in sorted(per_wing.items())) + f": {why}" for why, per_wing in reasons.items()]
+
+
+def verdict(rows: list, wings: list) -> tuple:
+    """(the last line, the exit status): PASSED only when every wing asked for was checked."""
+    failed = failures(rows)
+    checked = sum("skipped" not in r for r in rows)
+    missed = not_checked(rows, wings)
+    counts = f"{checked - len(failed)} of {checked} cases within their bounds, {len(rows) - checked} not run here"
+    unchecked = f"; NOT CHECKED: {'; '.join(missed)}" if missed else ""
+    if failed:
+        return f"FAIL: {counts}{unchecked}", FAILED
+    if missed:
+        return f"PASSED WHAT RAN (exit {PASSED_WHAT_RAN}): {counts}{unchecked}", PASSED_WHAT_RAN
+    return f"PASS: {counts}; every wing checked ({', '.join(wings)})", PASSED
+
+
 def main(argv=None) -> int:
+    log.quiet_numpy_warning()
     options = parser().parse_args(argv)
     setup = ranks.Setup(world=options.world, megatron=False, command="coc-inject selftest",
                         device_variable="COC_SELFTEST_DEVICE")
@@ -119,16 +160,17 @@ def main(argv=None) -> int:
     print(f"coc-inject selftest: {where}; --dtype {result['dtype']}")
     print(format_table(rows))
     failed = failures(rows)
-    checked = sum("skipped" not in r for r in rows)
+    last_line, status = verdict(rows, options.cases)
     if options.json:
         with open(options.json, "w") as file:
             json.dump({"where": where, "device": result["device"], "dtype": result["dtype"], "versions": versions(),
-                       "wings": options.cases, "passed": not failed, "failures": failed, "cases": rows}, file, indent=1)
+                       "wings": options.cases, "passed": not failed, "failures": failed,
+                       "not_checked": not_checked(rows, options.cases), "exit_status": status, "cases": rows},
+                      file, indent=1)
     for line in failed:
         print(f"FAIL: {line}")
-    print(f"{'FAIL' if failed else 'PASS'}: {checked - len(failed)} of {checked} cases within their bounds, "
-          f"{len(rows) - checked} not run here")
-    return 1 if failed else 0
+    print(last_line)
+    return status
 
 
 if __name__ == "__main__":

@@ -120,10 +120,11 @@ class CocConfigBehaviour:
                 for name, value in row.exports}
 
     def describe(self) -> dict:
-        """Plain JSON-able dict for display: the derived ``mode``, ``enabled`` and ``cp_algorithm``,
-        then every field in table order."""
+        """Plain JSON-able dict for display: the derived ``mode``, ``enabled`` and ``cp_algorithm`` (COC_CP_ALGO
+        as it applies: shown once, in place of the raw ``cp_algo``), then every other field in table order."""
         shown = {"mode": self.mode, "enabled": self.enabled, "cp_algorithm": self.cp_algorithm}
-        shown.update((row.field, row.kind.shown(getattr(self, row.field))) for row in table.FIELDS)
+        shown.update((row.field, row.kind.shown(getattr(self, row.field))) for row in table.FIELDS
+                     if row.field != "cp_algo")
         return shown
 
 

@@ -19,6 +19,7 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from coc_inject import log
 from coc_inject.testbed import link as link_module
 
 COC_PREFIXES = ("COC_", "USE_COC_")
@@ -192,6 +193,21 @@ def _accelerators_hidden():
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
+@contextmanager
+def _numpy_warning_quiet():
+    """Local ranks (and the server they fork from) start without torch's 'Failed to initialize NumPy'
+    warning: the filter in PYTHONWARNINGS while they start, this process's value given back after."""
+    saved = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [saved, log.NUMPY_WARNING_FILTER]))
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = saved
+
+
 def run_local_ranks(worker, world: int, port: int, *args, fresh: bool = False):
     """Start ``worker(rank, world, port, *args)`` in ``world`` local processes (``fresh``: spawned
     anew, not forked from the server); return the one non-None result (rank 0's). Raises
@@ -205,7 +221,7 @@ def run_local_ranks(worker, world: int, port: int, *args, fresh: bool = False):
     queue = context.Queue()
     procs = [context.Process(target=_entry, args=(worker, rank, world, port, queue, args))
              for rank in range(world)]
-    with _accelerators_hidden():
+    with _accelerators_hidden(), _numpy_warning_quiet():
         for proc in procs:
             proc.start()
     answers = _answers(queue, procs)

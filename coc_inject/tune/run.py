@@ -99,9 +99,9 @@ def positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="coc-inject tune", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="coc-inject tune", description=log.help_text(__doc__.split("\n\n")[0]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+                                     epilog=log.help_text("\n\n".join(__doc__.split("\n\n")[1:])))
     shapes = parser.add_argument_group("explicit shapes")
     shapes.add_argument("--shape", action="append", type=parse_shape, default=[], metavar="CASE:M,K,N",
                         help=f"repeatable; {SHAPE_ALLOWED}; or {tune_attention.SHAPE_ALLOWED}; or "

@@ -4,14 +4,18 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from coc_inject.selftest import linears
 from coc_inject.selftest.multi_copy import AUTOGRAD_CASE, MOE, SEQUENCE
 from coc_inject.selftest.run import WINGS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,7 @@ def test_every_wing_passes_and_the_json_says_so(selftest):
         assert all(r["passed"] and r["error"] <= r["bound"] for r in rows), rows
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith(f"PASS: {sum('skipped' not in r for r in result['cases'])} of ")
+    assert lines[-1].endswith(f"every wing checked ({', '.join(WINGS)})")
     # A progress line as each case starts (the linears: one per op, its backends under it).
     others = [r for r in result["cases"] if r["wing"] != "linears" and "skipped" not in r]
     assert proc.stderr.count("[selftest] ") == len(others) + len(linears.CASES)
@@ -98,3 +103,42 @@ def test_an_unknown_wing_is_refused_with_the_allowed_names():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "--cases 'linears,attention': expected a comma-separated list of " + ", ".join(WINGS) in proc.stderr
+
+
+def test_the_verdict_names_a_wing_not_checked_and_exits_apart_from_pass():
+    """#54: without megatron-core the multi-copy and MoE cases cannot run; the verdict said 'PASS' and exit 0
+    as if every wing had been checked. Now it names them and exits 3 (PASS, exit 0: every wing checked)."""
+    from coc_inject.selftest import common
+    from coc_inject.selftest.run import FAILED, PASSED, PASSED_WHAT_RAN, verdict
+
+    ran = common.row("linears", "row", "chunked", {"out": 0.0}, "float32")
+    no_megatron = common.skipped("moe", "pieces", "-", "megatron-core is not importable (x)", missing="megatron-core")
+    partly = [common.row("multi-copy", AUTOGRAD_CASE, "torch", {"order": 0.0}, "float32", bound=0.0),
+              common.skipped("multi-copy", "block", "2 copies", "megatron-core is not importable (x)",
+                             missing="megatron-core")]
+    device = common.skipped("linears", "row", "fused atb", "torch_npu is not installed")  # the wing ran otherwise
+    line, status = verdict([ran, device], ["linears"])
+    assert status == PASSED and line.startswith("PASS: 1 of 1 cases within their bounds, 1 not run here")
+    line, status = verdict([ran, *partly, no_megatron], ["linears", "multi-copy", "moe"])
+    assert status == PASSED_WHAT_RAN != PASSED
+    assert line.startswith("PASSED WHAT RAN (exit 3): 2 of 2 cases within their bounds, 2 not run here")
+    assert line.endswith("NOT CHECKED: moe (1 of 1 cases), multi-copy (1 of 2 cases): megatron-core is not importable")
+    one_rank = common.skipped("linears", "row", "chunked", "one rank: no collective to overlap")
+    line, status = verdict([one_rank, ran | {"wing": "meter"}], ["linears", "meter"])
+    assert status == PASSED_WHAT_RAN and line.endswith("NOT CHECKED: linears (1 of 1 cases): one rank")
+    line, status = verdict([ran | {"passed": False, "errors": {"out": 1.0}}, no_megatron], ["linears", "moe"])
+    assert status == FAILED and line.startswith("FAIL: 0 of 1") and "NOT CHECKED: moe" in line
+
+
+def test_without_megatron_core_the_selftest_does_not_claim_every_wing(tmp_path):
+    """The command itself, megatron-core made unimportable: the last line names MoE, the exit status is 3."""
+    blocker = tmp_path / "megatron"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('megatron-core blocked by the test')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "-m", "coc_inject", "selftest", "--cases", "moe", "--reps", "1"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASSED WHAT RAN (exit 3): 0 of 0 cases")
+    assert last.endswith("NOT CHECKED: moe (1 of 1 cases): megatron-core is not importable"), last

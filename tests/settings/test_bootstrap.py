@@ -591,3 +591,16 @@ def test_coc_sh_leaves_no_helpers_behind(tmp_path):
                   cwd=tmp_path)
     assert proc.stdout.splitlines()[0] == "0"
     assert proc.returncode != 0  # `type` finds no leftover function
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_coc_sh_lists_every_wings_variable_that_is_set(tmp_path, shell):
+    """#54: with COC_MULTI_COPY and COC_MOE_OVERLAP set it said 'no CoC variables set: CoC is off' (it listed
+    the linears' variables only)."""
+    env = {"COC_MULTI_COPY": "2", "COC_MOE_OVERLAP": "auto", "COC_CP_ALGO": "ring", "COC_MEASURE": "1"}
+    proc = run_sh(shell, f"source {COC_SH}", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().endswith(
+        "; COC_CP_ALGO=ring COC_MEASURE=1 COC_MOE_OVERLAP=auto COC_MULTI_COPY=2"), proc.stderr
+    proc = run_sh(shell, f"source {COC_SH} auto", cwd=tmp_path, env={"COC_FLASH_ATTN": "1"})
+    assert proc.stderr.strip().endswith("; COC_FLASH_ATTN=1 COC_PARALLEL_NUM=auto USE_COC_FUSED_KERNEL=0"), proc.stderr
