@@ -234,7 +234,8 @@ def expect_error(tp, cp, coc, what="build", **model_kwargs):
 
 
 def attention_call_error(tp, cp, coc, **call):
-    """The error of one attention call with ``call`` overrides (packed_seq_params, attention_bias, mask, rows)."""
+    """The error of one attention call with ``call`` overrides (packed_seq_params, attention_bias, mask, rows,
+    autocast: the call inside CPU torch.autocast in bf16)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     setup(tp, cp, coc)
@@ -244,7 +245,8 @@ def attention_call_error(tp, cp, coc, **call):
     q = k = v = torch.randn(rows, 1, 4, 16)
     mask = call.pop("mask", None)
     try:
-        layer(q, k, v, mask, **call)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=call.pop("autocast", False)):
+            layer(q, k, v, mask, **call)
     except Exception as error:  # noqa: BLE001
         return f"{type(error).__name__}: {error}"
     return None

@@ -229,3 +229,12 @@ def test_composes_with_the_other_wings(pool, coc, reference, model, pieces):
     for r in got:
         routes = [route for route in r["routes"] if route != ("megatron", AUTO_CHOSE_MEGATRON)]
         assert r["routes"] and (in_pieces(routes, pieces) or not routes), r["routes"]
+
+
+def test_pieces_step_aside_under_autocast_naming_it(pool):
+    # Megatron's enable_autocast (CPU torch.autocast in bf16 here): the pieces are not verified under it.
+    from coc_inject.moe.guards import AUTOCAST
+
+    for rank, r in enumerate(run(pool, ep=2, experts=4, topk=2, autocast=True)):
+        assert r["route"] == ("megatron", AUTOCAST), (rank, r["route"])
+        assert r["out"] == 0 and r["x_grad"] == 0 and r["param_grad"] == 0, (rank, r)
