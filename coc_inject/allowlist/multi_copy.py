@@ -24,9 +24,16 @@ ATTENTION = supported(
 
 NUMERICS = supported(
     "numerics the copies run as Megatron does, each copy's calls the same kernels on fewer samples",
-    "deterministic_mode", "batch_invariant_mode", "enable_autocast", "autocast_dtype",
+    "deterministic_mode", "batch_invariant_mode",
     "disable_bf16_reduced_precision_matmul", "mlp_chunks_for_training", "calculate_per_token_loss", "test_mode",
     "use_te_rng_tracker")
+
+AUTOCAST = supported(
+    "enable_autocast runs the forward inside torch.autocast: the copies' threads take the caller's autocast "
+    "(multi_copy/scheduler.py), each copy's layers run in its dtype as without copies; the copies' summed bf16 "
+    "weight gradients round once per copy (tests/multi_copy/test_multi_copy.py: the first loss equal, then within "
+    "bf16 rounding)",
+    "enable_autocast", "autocast_dtype")
 
 RECOMPUTE = supported(
     "recompute: the block's chunks recomputed as copies (multi_copy/recompute.py; what it cannot run exactly "
@@ -137,7 +144,7 @@ DETAILS = supported(
     "moe_ncclep_zero_copy", "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
     "moe_paged_stash_buffer_size_factor_cpu", "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream")
 
-ROWS = table(PARALLEL, ATTENTION, NUMERICS, RECOMPUTE, OUTSIDE, MOE, DISPATCHER, MOE_REFUSED, DROPOUT, REFUSED,
+ROWS = table(PARALLEL, ATTENTION, NUMERICS, AUTOCAST, RECOMPUTE, OUTSIDE, MOE, DISPATCHER, MOE_REFUSED, DROPOUT, REFUSED,
              DETAILS)
 
 # Sequence copies (sequence.py): the same block split along the sequence, the copies meeting in the
@@ -150,4 +157,6 @@ SEQUENCE_ROWS = table(
     refused("softmax_type other than 'vanilla'", "softmax_type", allows=("vanilla", None)),
     refused("multi-latent attention (not Megatron's SelfAttention)", "multi_latent_attention",
             allows=lambda value, context: not value),
+    refused("enable_autocast (torch.autocast): the copies' meeting attention is not verified against Megatron's "
+            "under it", "enable_autocast", allows=lambda value, context: not value),
 )

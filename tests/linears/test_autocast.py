@@ -53,3 +53,17 @@ def test_fused_kernels_under_autocast(pool2):
                             bias=True, fused_kernel=True):
         check(result, fused_kernel=True)
         assert sorted(set(result["fused_kernels"])) == ["fused_all_gather_matmul", "fused_matmul_reduce_scatter"]
+
+
+def test_gpt_steps_under_autocast_as_megatron(pool2):
+    """A megatron-core GPT (TP 2, fp32 parameters) trained 2 SGD steps with forward and backward inside CPU
+    torch.autocast in bf16, COC_PARALLEL_NUM=4 (COC_ENABLE_IN_COLUMN_BACKWARD=1) against Megatron's own
+    linears: the same losses and parameters. (Megatron's forward_backward_func opens torch.autocast("cuda")
+    for enable_autocast, a no-op on the CPU: the test opens the CPU's around the model's step.)"""
+    from tests.context_parallel.test_cp_gpt import assert_same_training
+
+    options = dict(tp=2, sp=False, b=2, steps=2, autocast=True)
+    want = pool2.run("tests.multi_copy.multi_copy_cases:train", copies=1, **options)
+    got = pool2.run("tests.multi_copy.multi_copy_cases:train", copies=1, chunks=4,
+                    coc={"enable_coc_in_column_backward": True}, **options)
+    assert_same_training(got, want)
