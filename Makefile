@@ -33,7 +33,8 @@ VENV_OLDEST ?= .venv-megatron-$(MEGATRON_OLDEST)
 SOURCES := pyproject.toml $(shell find coc_inject sitecustomize -name '*.py' 2>/dev/null)
 # What runs on the older releases: the suites that touch Megatron's layers or launch a job.
 LAYER_SUITES := tests/linears/test_layers_tp2.py tests/linears/test_layers_tp4.py tests/linears/test_patching.py \
-	tests/linears/test_megatron_guards.py tests/linears/test_injection_e2e.py tests/linears/test_tuning.py tests/linears/test_coverage.py
+	tests/linears/test_megatron_guards.py tests/linears/test_injection_e2e.py tests/linears/test_tuning.py tests/linears/test_coverage.py \
+	tests/linears/test_autocast.py
 # Context parallelism on the older releases: the CP=2 GPT cases and the construction errors. TEST_SCOPE=older-release
 # skips the cases marked newest_only (tests/scope.py): coc-inject's own logic, tested once on the newest release.
 CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_copy.py tests/multi_copy/test_sequence_copies.py

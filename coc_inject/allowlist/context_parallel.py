@@ -23,8 +23,13 @@ SCORES = supported(
     "the softmax Megatron's local attention would run: the wing's kernels compute it in fp32 with the scale "
     "Megatron's __init__ computes (query-key layer scaling included), whatever kernel Megatron would pick",
     "attention_softmax_in_fp32", "apply_query_key_layer_scaling", "masked_softmax_fusion", "attention_backend",
-    "deterministic_mode", "batch_invariant_mode", "enable_autocast", "autocast_dtype",
-    "disable_bf16_reduced_precision_matmul")
+    "deterministic_mode", "batch_invariant_mode", "disable_bf16_reduced_precision_matmul")
+
+AUTOCAST = supported(
+    "enable_autocast runs the forward inside torch.autocast: a call under it is not run by the wing's kernels "
+    "(context_parallel/forward.AUTOCAST): at CP > 1 an error naming it (Megatron's local attention has no CP), "
+    "with COC_FLASH_ATTN at CP 1 Megatron's attention (tests/context_parallel/test_cp_gpt.py)",
+    "enable_autocast", "autocast_dtype")
 
 DROPOUT = refused(
     "attention dropout > 0 (set attention_dropout=0): the wing's kernels have no dropout",
@@ -96,5 +101,5 @@ NOT_READ = irrelevant(
     "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_extended_tp",
     *MOE_LAYER_SETTINGS)
 
-ROWS = table(PARALLEL, SCORES, DROPOUT, WINDOW, WINDOW_DETAILS, SOFTMAX, MLA, MAX_LOGIT, MAX_LOGIT_DETAILS, HYBRID_CP,
+ROWS = table(PARALLEL, SCORES, AUTOCAST, DROPOUT, WINDOW, WINDOW_DETAILS, SOFTMAX, MLA, MAX_LOGIT, MAX_LOGIT_DETAILS, HYBRID_CP,
              HYBRID_CP_DETAILS, CUDA_GRAPHS, CUDA_GRAPH_IMPL, OFFLOADING, DETAILS, RECOMPUTE, OTHER_ATTENTION, NOT_READ)

@@ -22,6 +22,13 @@ GRADIENTS = supported(
     "fused weight-gradient accumulation into main_grad, written as Megatron writes it (tests/gpu_defaults)",
     "gradient_accumulation_fusion")
 
+AUTOCAST = supported(
+    "enable_autocast runs the forward inside torch.autocast, which Megatron's linear Function honours "
+    "(custom_fwd / custom_bwd): the chunked and fused Functions cast their matmul operands to autocast_dtype "
+    "themselves (pipeline/autocast.py), outputs, dgrads and collectives in it, the input all-gathers in the "
+    "input's dtype, as Megatron's (tests/linears/test_autocast.py)",
+    "enable_autocast", "autocast_dtype")
+
 IMPL = supported(
     "the layers' implementation: 'inference_optimized' output all-gather handled (linears/guards.GUARDS)",
     "transformer_impl")
@@ -106,10 +113,10 @@ NOT_READ = irrelevant(
     "hidden_dropout", "recompute_granularity", "recompute_method", "recompute_num_layers",
     "distribute_saved_activations", "recompute_modules", "num_microbatches_with_partial_activation_checkpoints",
     "use_te_rng_tracker", "heterogeneous_block_specs", "mlp_chunks_for_training", "calculate_per_token_loss",
-    "deterministic_mode", "batch_invariant_mode", "enable_autocast", "autocast_dtype", "test_mode",
+    "deterministic_mode", "batch_invariant_mode", "test_mode",
     "moe_layer_recompute",
     "disable_bf16_reduced_precision_matmul",
     *MOE_LAYER_SETTINGS)
 
-ROWS = table(PARALLEL, GRADIENTS, IMPL, OFFLOADING, FINE_GRAINED_OFFLOADING, SHARDING, DEFERRED, DEFERRAL_LIMIT, QUANTISED, QUANTISED_DETAILS,
+ROWS = table(PARALLEL, GRADIENTS, AUTOCAST, IMPL, OFFLOADING, FINE_GRAINED_OFFLOADING, SHARDING, DEFERRED, DEFERRAL_LIMIT, QUANTISED, QUANTISED_DETAILS,
              CUDA_GRAPHS, CUDA_GRAPH_IMPL, CUDA_GRAPH_DETAILS, TE_ONLY, NOT_READ)

@@ -107,9 +107,13 @@ RECOMPUTE = supported(
 
 NUMERICS = supported(
     "numerics around the pieces that Megatron's experts and unpermute apply as they would (deterministic and "
-    "batch-invariant kernels, autocast)",
-    "deterministic_mode", "batch_invariant_mode", "enable_autocast", "autocast_dtype",
-    "disable_bf16_reduced_precision_matmul")
+    "batch-invariant kernels)",
+    "deterministic_mode", "batch_invariant_mode", "disable_bf16_reduced_precision_matmul")
+
+AUTOCAST = supported(
+    "enable_autocast runs the forward inside torch.autocast: a layer call under it runs Megatron's dispatcher "
+    "(moe/guards.AUTOCAST, checked per call; tests/moe/test_moe.py)",
+    "enable_autocast", "autocast_dtype")
 
 NOT_READ = irrelevant(
     "outside the MoE layer (attention, dense linears, dropout, the block): the pieces never see it",
@@ -132,4 +136,4 @@ NOT_READ = irrelevant(
     "disable_parameter_transpose_cache", "use_transformer_engine_op_fuser", "async_tensor_model_parallel_allreduce")
 
 ROWS = table(PARALLEL, ROUTING, EXPERTS, DISPATCHER, FLEX, FLEX_DETAILS, GROUPED, GROUPED_DETAILS, REFUSED, DETAILS,
-             RECOMPUTE, NUMERICS, NOT_READ)
+             RECOMPUTE, NUMERICS, AUTOCAST, NOT_READ)

@@ -24,7 +24,7 @@ ATTENTION = supported(
 
 NUMERICS = supported(
     "numerics the copies run as Megatron does, each copy's calls the same kernels on fewer samples",
-    "deterministic_mode", "batch_invariant_mode", "enable_autocast", "autocast_dtype",
+    "deterministic_mode", "batch_invariant_mode",
     "disable_bf16_reduced_precision_matmul", "calculate_per_token_loss", "test_mode", "use_te_rng_tracker")
 
 CHUNKED_MLP = supported(
@@ -32,6 +32,13 @@ CHUNKED_MLP = supported(
     "sequence): a batch copy's chunk i holds its samples of Megatron's chunk i, and an MoE router's meetings pair "
     "each copy's i-th arrival (multi_copy/scheduler.py CopyRun.meet; tests/multi_copy/test_multi_copy_moe.py)",
     "mlp_chunks_for_training")
+
+AUTOCAST = supported(
+    "enable_autocast runs the forward inside torch.autocast: the copies' threads take the caller's autocast "
+    "(multi_copy/scheduler.py), each copy's layers run in its dtype as without copies; the copies' summed bf16 "
+    "weight gradients round once per copy (tests/multi_copy/test_multi_copy.py: the first loss equal, then within "
+    "bf16 rounding)",
+    "enable_autocast", "autocast_dtype")
 
 RECOMPUTE = supported(
     "recompute: the block's chunks recomputed as copies (multi_copy/recompute.py; what it cannot run exactly "
@@ -142,8 +149,9 @@ DETAILS = supported(
     "moe_ncclep_zero_copy", "moe_paged_stash_page_size", "moe_paged_stash_buffer_size_factor_cuda",
     "moe_paged_stash_buffer_size_factor_cpu", "ep_overlap_early_attn_memory_release", "high_priority_a2a_comm_stream")
 
-ROWS = table(PARALLEL, ATTENTION, NUMERICS, CHUNKED_MLP, RECOMPUTE, OUTSIDE, MOE, DISPATCHER, MOE_REFUSED, DROPOUT,
-             REFUSED, DETAILS)
+ROWS = table(PARALLEL, ATTENTION, NUMERICS, CHUNKED_MLP, AUTOCAST, RECOMPUTE, OUTSIDE, MOE, DISPATCHER,
+             MOE_REFUSED, DROPOUT, REFUSED, DETAILS)
+
 
 def _load_balancing_losses(config) -> list:
     """The load-balancing losses an MoE router forms from token counts (a type other than 'none' with a
@@ -177,4 +185,6 @@ SEQUENCE_ROWS = table(
     refused("chunked MLPs with an MoE load-balancing loss: Megatron forms the loss per chunk of its sequence from "
             "that chunk's token counts, and a sequence copy's chunk i holds other positions than Megatron's",
             "mlp_chunks_for_training", allows=_chunks_decompose),
+    refused("enable_autocast (torch.autocast): the copies' meeting attention is not verified against Megatron's "
+            "under it", "enable_autocast", allows=lambda value, context: not value),
 )

@@ -11,6 +11,8 @@ import functools
 import inspect
 import logging
 
+import torch
+
 from coc_inject import job, log, mindspeed
 from coc_inject.context_parallel import attention, banner, groups
 from coc_inject.routes import MEGATRON_ATTENTION, AttentionRoute
@@ -60,6 +62,13 @@ def wrap_init(installation, cls, original_init):
     return __init__
 
 
+# Megatron's enable_autocast (or a caller's torch.autocast): Megatron's local attention then multiplies in the
+# autocast dtype; the wing's kernels are not verified to match it (tests/context_parallel/test_cp_gpt.py).
+AUTOCAST = ("torch.autocast is on (Megatron's enable_autocast): the wing's attention kernels are not verified "
+            "against Megatron's local attention under it (at CP > 1 run without autocast, e.g. with bf16 "
+            "parameters, or without COC_CP_ALGO)")
+
+
 def wrap_forward(installation, original_forward):
     """``forward``: the layer's plan run over its CP group, counted; Megatron's without a plan."""
     config = installation.config
@@ -76,6 +85,8 @@ def wrap_forward(installation, original_forward):
         if plan is None:
             return megatron_forward()
         try:
+            if torch.is_autocast_enabled(query.device.type):
+                raise attention.ContextParallelError(AUTOCAST)
             for feature, given in (("packed sequences (packed_seq_params)", packed_seq_params),
                                    ("attention_bias", attention_bias)):
                 if given is not None:

@@ -15,7 +15,7 @@ import torch
 
 from coc_inject import copy_context, job, log
 from coc_inject.config import AUTO, CocConfig
-from coc_inject.pipeline import agreement
+from coc_inject.pipeline import agreement, autocast
 from coc_inject.routes import AUTO_CHOSE_MEGATRON, COPIES_CHOSE_MEGATRON, Chunked, Fused, MegatronPath
 
 # Chunk count of a fused kernel's backward pipelines when COC_PARALLEL_NUM names none.
@@ -57,9 +57,17 @@ class LinearRouter:
 
         count = self.config.parallel_num if self.config.parallel_num > 1 else None
         op, x2d = call.fused_op, call.coc_input.reshape(-1, call.coc_input.shape[-1])
-        backend = registry.select(op, x2d, call.weight, call.group, self.config.fused_backend, "CoC",
-                                  "using the chunked pipeline with "
-                                  + (f"{count} chunks" if count else "auto-tuned chunks"))
+        instead = "using the chunked pipeline with " + (f"{count} chunks" if count else "auto-tuned chunks")
+        cast = autocast.compute_dtype(x2d)
+        if cast is not None and op == "all_gather_matmul" and autocast.operand(x2d, cast) is not x2d:
+            # Megatron gathers the input in its own dtype and multiplies in the autocast dtype.
+            log.once(("fused-autocast", op, str(x2d.dtype), str(cast)), logging.INFO,
+                     f"CoC: {op} under autocast ({cast}) with a {x2d.dtype} input: a fused kernel gathers "
+                     f"and multiplies in one dtype; {instead}")
+            return self._unfused(call)
+        # A backend's limits are read on the operands as autocast hands them to the matmul.
+        backend = registry.select(op, autocast.seen_as(x2d, cast), autocast.seen_as(call.weight, cast), call.group,
+                                  self.config.fused_backend, "CoC", instead)
         if backend is None:
             return self._unfused(call)
         log.once(("fused", op, backend.name), logging.INFO, f"{op}: fused kernel {backend.name}")
@@ -73,8 +81,9 @@ class LinearRouter:
 
         layer, coc_input, weight, group = call.layer, call.coc_input, call.weight, call.group
         backward = torch.is_grad_enabled() and (coc_input.requires_grad or weight.requires_grad)
-        key = DecisionKey(call.case, *call.shape, str(coc_input.dtype).replace("torch.", ""), group.size(),
-                          coc_input.device.type, backward)
+        cast = autocast.compute_dtype(coc_input)  # a matmul under autocast runs (and is timed) in its dtype
+        dtype = str(coc_input.dtype).replace("torch.", "") + ("" if cast is None else f"->{cast}".replace("torch.", ""))
+        key = DecisionKey(call.case, *call.shape, dtype, group.size(), coc_input.device.type, backward)
 
         def run(chunks: int) -> None:
             # A detached input, gradients for it alone, inside the tuner's trial.isolated(layer): a

@@ -150,7 +150,7 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        reason = _layer_reason(self, taken) or guards.call_reason(self)
+        reason = _layer_reason(self, taken) or guards.call_reason(self, hidden_states)
         if reason is None and deciding and not copy_context.experts_in_pieces():
             reason = COPIES_CHOSE_DISPATCHER  # the block's trials found its copies faster without pieces
         call = None

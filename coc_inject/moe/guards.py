@@ -10,13 +10,15 @@ The layer's config is checked first against the MoE pieces' allow-list (coc_inje
 
 from __future__ import annotations
 
+import torch
+
 from coc_inject import megatron_version, mindspeed
 from coc_inject.allowlist import check
 
 # What status names as running on Megatron's path (the reasons below, briefly).
 WITHOUT_PIECES = ("the allgather and flex dispatchers", "TEGroupedMLP's fused op-fuser path", "EP 1", "FP8 / FP4",
                   "permute fusion", "padding to capacity", "Megatron's own EP or shared-expert overlap",
-                  "CUDA graphs", "inference mode",
+                  "CUDA graphs", "inference mode", "torch.autocast (enable_autocast)",
                   "a setting the allow-list refuses or does not classify (docs/settings-allowlist.md)")
 
 # The layer's own objects the pieces run (an allow-list: any other runs Megatron's dispatcher, with the reason).
@@ -93,8 +95,15 @@ def _missing(owner, names) -> str | None:
     return None
 
 
-def call_reason(layer) -> str | None:
+# Megatron's enable_autocast (or a caller's torch.autocast): the pieces' own sums and collectives are not
+# checked against Megatron's dispatcher under it (tests/moe/test_moe.py), so they step aside.
+AUTOCAST = "torch.autocast is on (Megatron's enable_autocast): the pieces are not verified under it"
+
+
+def call_reason(layer, hidden_states=None) -> str | None:
     """Why this call cannot run as pieces although the layer can (None: it can)."""
+    if hidden_states is not None and torch.is_autocast_enabled(hidden_states.device.type):
+        return AUTOCAST
     try:
         from megatron.core.inference.utils import InferenceMode  # 0.19: a separate inference dispatcher
     except ImportError:

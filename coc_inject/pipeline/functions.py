@@ -10,6 +10,9 @@ Weight gradients honour Megatron's contract: plain ``.grad`` by default; with
 ``gradient_accumulation_fusion`` they are accumulated into ``weight.main_grad`` (:mod:`coc_inject.pipeline.wgrad`:
 the operands in their own dtype, through Megatron's kernel or torch's mixed-dtype GEMM where there is one)
 and ``grad_added_to_main_grad`` is set when the parameter carries that attribute.
+Under ``torch.autocast`` they compute as Megatron's autocast-aware Function does (:mod:`coc_inject.pipeline.autocast`):
+matmul operands cast to the autocast dtype, outputs, dgrads and the collectives after them in it, the backward
+in the forward's autocast dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from coc_inject.pipeline import collectives
+from coc_inject.pipeline.autocast import compute_dtype, operand, result_dtype
 from coc_inject.pipeline.layout import chunk_bounds
 from coc_inject.pipeline.schedules import run_comm_first, run_compute_first
 from coc_inject.pipeline.matmul import MatmulLayout, matmul_into
@@ -28,9 +32,10 @@ def _rows(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1, tensor.shape[-1])
 
 
-def _empty_like_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    """Fresh contiguous buffer (``empty_like`` would copy a non-contiguous input's strides)."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+def _dgrad_buffer(tensor: torch.Tensor, cast) -> torch.Tensor:
+    """Fresh contiguous buffer for the input gradient of ``tensor``, in the dgrad matmul's dtype (autograd
+    casts it back to the input's) -- ``empty_like`` would copy a non-contiguous input's strides."""
+    return torch.empty(tensor.shape, dtype=result_dtype(tensor, cast), device=tensor.device)
 
 
 def _rank_blocks(tensor2d: torch.Tensor, tp_size: int) -> torch.Tensor:
@@ -41,8 +46,9 @@ def _rank_blocks(tensor2d: torch.Tensor, tp_size: int) -> torch.Tensor:
 class WeightGrad:
     """What a Function needs to produce the weight gradient the way Megatron would."""
 
-    def __init__(self, weight: torch.Tensor, gradient_accumulation_fusion: bool):
+    def __init__(self, weight: torch.Tensor, gradient_accumulation_fusion: bool, cast=None):
         self.needed = weight.requires_grad
+        self.cast = cast  # the forward's autocast dtype (None: off): the plain wgrad matmul's, as autocast's
         # Megatron-FSDP parameters (megatron-core >= 0.14) hand out their main grad buffer at
         # backward time through get_main_grad(), and Megatron writes the wgrad into it.
         self.fsdp = bool(gradient_accumulation_fusion) and hasattr(weight, "__fsdp_param__")
@@ -55,7 +61,7 @@ class WeightGrad:
         if not self.needed:
             return None
         if not self.fusion:
-            return grad2d.t().matmul(input2d)
+            return operand(grad2d, self.cast).t().matmul(operand(input2d, self.cast))
         if self.fsdp:
             accum = weight.main_grad = weight.get_main_grad()
             into_main_grad(accum, grad2d, input2d, overwrite=True)
@@ -77,10 +83,11 @@ class MatmulAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout):
-        x2d = _rows(x)
-        result = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+        cast = compute_dtype(x)
+        x2d = operand(_rows(x), cast)
+        result = torch.empty(*x.shape[:-1], weight.shape[0], dtype=result_dtype(x, cast), device=x.device)
         out = _rows(result)
-        matmul = layout.forward_matmul(weight, x.device.type)
+        matmul = layout.forward_matmul(operand(weight, cast), x.device.type)
 
         def compute(start, stop):
             return matmul(x2d[start:stop], out=out[start:stop])
@@ -90,14 +97,15 @@ class MatmulAllReduce(torch.autograd.Function):
 
         run_compute_first(chunk_bounds(x2d.shape[0], chunks), compute, communicate)
         ctx.save_for_backward(x, weight)
-        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion, cast)
         return result
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
+        cast = ctx.wgrad.cast
         grad2d = _rows(grad_output)
-        grad_input = grad2d.matmul(weight).view(x.shape)
+        grad_input = operand(grad2d, cast).matmul(operand(weight, cast)).view(x.shape)
         grad_weight = ctx.wgrad.compute(weight, grad2d, _rows(x))
         return grad_input, grad_weight, None, None, None, None
 
@@ -112,12 +120,13 @@ class MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout):
         tp_size = group.size()
-        x_blocks = _rank_blocks(_rows(x), tp_size)
+        cast = compute_dtype(x)
+        x_blocks = _rank_blocks(operand(_rows(x), cast), tp_size)
         block_rows = x_blocks.shape[1]
         n = weight.shape[0]
-        result = torch.empty(x.shape[0] // tp_size, *x.shape[1:-1], n, dtype=x.dtype, device=x.device)
+        result = torch.empty(x.shape[0] // tp_size, *x.shape[1:-1], n, dtype=result_dtype(x, cast), device=x.device)
         out = _rows(result)
-        matmul = layout.forward_matmul(weight, x.device.type)
+        matmul = layout.forward_matmul(operand(weight, cast), x.device.type)
 
         def compute(start, stop):
             # [TP, c, k] strided view in, contiguous [TP, c, n] out: rank-major, as RS wants.
@@ -129,7 +138,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         run_compute_first(chunk_bounds(block_rows, chunks), compute, communicate)
         ctx.save_for_backward(x, weight)
         ctx.chunks, ctx.group = chunks, group
-        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion, cast)
         return result
 
     @staticmethod
@@ -143,15 +152,17 @@ class MatmulReduceScatter(torch.autograd.Function):
             tp_size * block_rows, grad_shard.shape[1], dtype=grad_shard.dtype, device=grad_shard.device
         )
         grad_blocks = _rank_blocks(grad_full, tp_size)
-        grad_input = _empty_like_contiguous(x)
+        cast = ctx.wgrad.cast
+        grad_input = _dgrad_buffer(x, cast)
         dgrad_blocks = _rank_blocks(_rows(grad_input), tp_size)
+        weight_operand = operand(weight, cast)
 
         def communicate(start, stop):
             slots = list(grad_blocks[:, start:stop].unbind(0))
             return collectives.all_gather_async(slots, grad_shard[start:stop].contiguous(), group)
 
         def compute(start, stop):
-            matmul_into(grad_blocks[:, start:stop], weight, dgrad_blocks[:, start:stop])
+            matmul_into(operand(grad_blocks[:, start:stop], cast), weight_operand, dgrad_blocks[:, start:stop])
 
         run_comm_first(chunk_bounds(block_rows, ctx.chunks), communicate, compute)
         grad_weight = ctx.wgrad.compute(weight, grad_full, _rows(x))
@@ -174,22 +185,24 @@ class AllGatherMatmul(torch.autograd.Function):
         x_shard = _rows(x)
         block_rows = x_shard.shape[0]
         n = weight.shape[0]
+        # The input is gathered in its own dtype, as Megatron gathers it; each chunk is cast for its matmul.
+        cast = compute_dtype(x)
         gathered = torch.empty(tp_size * block_rows, x_shard.shape[1], dtype=x.dtype, device=x.device)
         gathered_blocks = _rank_blocks(gathered, tp_size)
-        result = torch.empty(x.shape[0] * tp_size, *x.shape[1:-1], n, dtype=x.dtype, device=x.device)
+        result = torch.empty(x.shape[0] * tp_size, *x.shape[1:-1], n, dtype=result_dtype(x, cast), device=x.device)
         out = _rows(result)
         out_blocks = _rank_blocks(out, tp_size)
-        matmul = layout.forward_matmul(weight, x.device.type)
+        matmul = layout.forward_matmul(operand(weight, cast), x.device.type)
 
         def communicate(start, stop):
             slots = list(gathered_blocks[:, start:stop].unbind(0))
             return collectives.all_gather_async(slots, x_shard[start:stop].contiguous(), group)
 
         def compute(start, stop):
-            matmul(gathered_blocks[:, start:stop], out=out_blocks[:, start:stop])
+            matmul(operand(gathered_blocks[:, start:stop], cast), out=out_blocks[:, start:stop])
 
         run_comm_first(chunk_bounds(block_rows, chunks), communicate, compute)
-        wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        wgrad = WeightGrad(weight, gradient_accumulation_fusion, cast)
         keep_gathered = wgrad.needed and not recompute_all_gather
         ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
         ctx.chunks, ctx.group, ctx.wgrad = chunks, group, wgrad
@@ -205,8 +218,10 @@ class AllGatherMatmul(torch.autograd.Function):
         grad_blocks = _rank_blocks(grad2d, tp_size)
         x_shard = _rows(x)
         block_rows = x_shard.shape[0]
-        grad_input = _empty_like_contiguous(x)
+        cast = ctx.wgrad.cast
+        grad_input = _dgrad_buffer(x, cast)
         grad_input_rows = _rows(grad_input)
+        weight_operand = operand(weight, cast)
         gathered, regather = kept_gathered, None
         if ctx.wgrad.needed and gathered is None:
             # Started first so it overlaps the dgrad matmuls below (Megatron does the same).
@@ -217,7 +232,7 @@ class AllGatherMatmul(torch.autograd.Function):
         grad_weight = None
 
         def compute(start, stop):
-            return torch.matmul(grad_blocks[:, start:stop], weight)
+            return torch.matmul(operand(grad_blocks[:, start:stop], cast), weight_operand)
 
         def communicate(start, stop, computed):
             return collectives.reduce_scatter_async(grad_input_rows[start:stop], _rows(computed), group)
@@ -240,21 +255,24 @@ class MatmulWithChunkedGradAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, chunks, group, gradient_accumulation_fusion, layout: MatmulLayout):
+        cast = compute_dtype(x)
         ctx.save_for_backward(x, weight)
         ctx.chunks, ctx.group = chunks, group
-        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
-        return layout.forward_matmul(weight, x.device.type)(x)
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion, cast)
+        return layout.forward_matmul(operand(weight, cast), x.device.type)(operand(x, cast))
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
+        cast = ctx.wgrad.cast
         grad2d = _rows(grad_output)
-        grad_input = _empty_like_contiguous(x)
+        grad_input = _dgrad_buffer(x, cast)
         grad_input_rows = _rows(grad_input)
+        weight_operand, grad_operand = operand(weight, cast), operand(grad2d, cast)
         grad_weight = None
 
         def compute(start, stop):
-            return matmul_into(grad2d[start:stop], weight, grad_input_rows[start:stop])
+            return matmul_into(grad_operand[start:stop], weight_operand, grad_input_rows[start:stop])
 
         def communicate(start, stop, computed):
             return collectives.all_reduce_async(computed, ctx.group)
@@ -285,9 +303,10 @@ class FusedMatmulAllReduce(MatmulAllReduce):
 
     @staticmethod
     def forward(ctx, x, weight, kernel: FusedKernel, group, gradient_accumulation_fusion, layout):
-        (out,) = kernel.backend.run("matmul_all_reduce", x, weight, group)
+        cast = compute_dtype(x)
+        (out,) = kernel.backend.run("matmul_all_reduce", operand(x, cast), operand(weight, cast), group)
         ctx.save_for_backward(x, weight)
-        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion, cast)
         return out
 
 
@@ -297,21 +316,23 @@ class FusedMatmulReduceScatter(MatmulReduceScatter):
 
     @staticmethod
     def forward(ctx, x, weight, kernel: FusedKernel, group, gradient_accumulation_fusion, layout):
-        (out,) = kernel.backend.run("matmul_reduce_scatter", x, weight, group)
+        cast = compute_dtype(x)
+        (out,) = kernel.backend.run("matmul_reduce_scatter", operand(x, cast), operand(weight, cast), group)
         ctx.save_for_backward(x, weight)
         ctx.kernel, ctx.group = kernel, group
         ctx.chunks = kernel.backward_chunks
-        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        ctx.wgrad = WeightGrad(weight, gradient_accumulation_fusion, cast)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad_shard = grad_output.contiguous()
+        cast = ctx.wgrad.cast
+        grad_shard, weight_operand = operand(grad_output, cast).contiguous(), operand(weight, cast)
         # dgrad = AllGather(grad) @ W: W [n, k] is the [k', n'] = untransposed operand here.
-        if ctx.kernel.backend.unsupported("all_gather_matmul", grad_shard, weight, ctx.group) is not None:
+        if ctx.kernel.backend.unsupported("all_gather_matmul", grad_shard, weight_operand, ctx.group) is not None:
             return MatmulReduceScatter.backward(ctx, grad_output)
-        grad_input, grad_full = ctx.kernel.backend.run("all_gather_matmul", grad_shard, weight, ctx.group,
+        grad_input, grad_full = ctx.kernel.backend.run("all_gather_matmul", grad_shard, weight_operand, ctx.group,
                                                        trans_weight=False)
         grad_weight = ctx.wgrad.compute(weight, grad_full, x)
         return grad_input, grad_weight, None, None, None, None
@@ -324,8 +345,11 @@ class FusedAllGatherMatmul(AllGatherMatmul):
     @staticmethod
     def forward(ctx, x, weight, kernel: FusedKernel, group, gradient_accumulation_fusion, layout,
                 recompute_all_gather):
-        out, gathered = kernel.backend.run("all_gather_matmul", x, weight, group)
-        wgrad = WeightGrad(weight, gradient_accumulation_fusion)
+        # Under autocast the router sends here only an input already in the autocast dtype (a fused
+        # all-gather cannot carry Megatron's bytes and multiply in another dtype): only the weight is cast.
+        cast = compute_dtype(x)
+        out, gathered = kernel.backend.run("all_gather_matmul", x, operand(weight, cast), group)
+        wgrad = WeightGrad(weight, gradient_accumulation_fusion, cast)
         keep_gathered = wgrad.needed and not recompute_all_gather
         ctx.save_for_backward(x, weight, gathered if keep_gathered else None)
         ctx.chunks, ctx.group, ctx.wgrad = kernel.backward_chunks, group, wgrad

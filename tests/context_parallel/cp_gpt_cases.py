@@ -142,8 +142,10 @@ def _skew_trials(name, seconds):
 
 
 def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_twice=False, skew=None,
-          after_setup=None, **model_kwargs):
-    """Losses per step and this rank's parameters after ``steps`` SGD steps.
+          after_setup=None, autocast=False, **model_kwargs):
+    """Losses per step and this rank's parameters after ``steps`` SGD steps. ``autocast``: forward and
+    backward inside CPU torch.autocast in bf16 (Megatron's enable_autocast; its linears' custom_bwd runs
+    their backward under the forward's autocast on CUDA, the CPU backward needs the context around it).
 
     SGD, not Adam: Adam turns the rounding noise of a gradient that is zero in exact arithmetic
     (the key part of the QKV bias: softmax ignores a shift shared by all keys) into full-size
@@ -171,11 +173,12 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
             tokens, labels, positions = (cp_slice(t, 1, cp, cp_rank) for t in (tokens, labels, positions))
             attention_mask = None if attention_mask is None else cp_slice(attention_mask, 2, cp, cp_rank)
         optimizer.zero_grad(set_to_none=True)
-        per_token = model(tokens, positions, attention_mask, labels=labels)
-        loss = per_token.sum() / (b * seq)
-        if call_twice:  # the same layers run a second time in this step
-            loss = loss + model(tokens, positions, attention_mask, labels=labels).sum() / (b * seq)
-        loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            per_token = model(tokens, positions, attention_mask, labels=labels)
+            loss = per_token.float().sum() / (b * seq)
+            if call_twice:  # the same layers run a second time in this step
+                loss = loss + model(tokens, positions, attention_mask, labels=labels).sum() / (b * seq)
+            loss.backward()
         for param in model.parameters():
             if param.grad is None:
                 continue
@@ -234,7 +237,8 @@ def expect_error(tp, cp, coc, what="build", **model_kwargs):
 
 
 def attention_call_error(tp, cp, coc, **call):
-    """The error of one attention call with ``call`` overrides (packed_seq_params, attention_bias, mask, rows)."""
+    """The error of one attention call with ``call`` overrides (packed_seq_params, attention_bias, mask, rows,
+    autocast: the call inside CPU torch.autocast in bf16)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     setup(tp, cp, coc)
@@ -244,7 +248,8 @@ def attention_call_error(tp, cp, coc, **call):
     q = k = v = torch.randn(rows, 1, 4, 16)
     mask = call.pop("mask", None)
     try:
-        layer(q, k, v, mask, **call)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=call.pop("autocast", False)):
+            layer(q, k, v, mask, **call)
     except Exception as error:  # noqa: BLE001
         return f"{type(error).__name__}: {error}"
     return None

@@ -162,7 +162,8 @@ def test_construction_errors_name_the_feature(pool, kwargs, needle):
     (dict(packed_seq_params=object()), "packed sequences"),
     (dict(attention_bias=object()), "attention_bias"),
     (dict(rows=31), "odd number"),
-], ids=["packed", "bias", "odd-rows"])
+    (dict(autocast=True), "torch.autocast is on (Megatron's enable_autocast)"),
+], ids=["packed", "bias", "odd-rows", "autocast"])
 def test_call_errors_name_the_feature(pool, call, needle):
     errors = pool.run("tests.context_parallel.cp_gpt_cases:attention_call_error", tp=1, cp=2, coc={"cp_algo": "ring"}, **call)
     assert all(e is not None and needle in e for e in errors), errors

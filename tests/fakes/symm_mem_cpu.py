@@ -33,6 +33,19 @@ def _check(A, B, dim):
         raise RuntimeError(f"dtypes differ: {A.dtype} / {B.dtype}")
 
 
+def _opaque_to_autocast(kernel):
+    """A device kernel is opaque to torch.autocast: its Python stand-in must not be cast inside."""
+    import functools
+
+    @functools.wraps(kernel)
+    def run(A, *args, **kwargs):
+        with torch.autocast(A.device.type, enabled=False):
+            return kernel(A, *args, **kwargs)
+
+    return run
+
+
+@_opaque_to_autocast
 def _all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
     if len(Bs) != 1:
         raise RuntimeError(f"coc-inject passes one B, got {len(Bs)}")
@@ -44,6 +57,7 @@ def _all_gather_matmul(A, Bs, gather_dim, group_name, *, return_A=True):
     return (gathered.to(A.dtype) if return_A else None), [(gathered @ Bs[0].float()).to(A.dtype)]
 
 
+@_opaque_to_autocast
 def _matmul_reduce_scatter(A, B, reduce_op, scatter_dim, group_name):
     _check(A, B, scatter_dim)
     if reduce_op != "sum":

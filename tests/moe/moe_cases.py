@@ -195,18 +195,20 @@ class AllToAllRecorder:
 
 
 def layer_case(ep=2, experts=4, topk=2, tokens=24, hidden=16, coc=None, kind="random", shun=None, etp=1, chunks=None,
-               **model):
+               autocast=False, **model):
     """Megatron's MoE layer unpatched, then with ``coc``: output, input gradient and parameter
-    gradients (max abs differences), the route, and the patched run's all-to-alls."""
+    gradients (max abs differences), the route, and the patched run's all-to-alls. ``autocast``: both
+    steps inside CPU torch.autocast in bf16 (Megatron's enable_autocast)."""
     setup(ep, etp=etp, coc=None)
     layer = build_layer(experts=experts, topk=topk, hidden=hidden, ep=ep, etp=etp, **model)
     if shun is not None:
         _shun_expert(layer, shun)
     x = layer_input(kind, tokens, hidden).to(layer.config.params_dtype)
-    with AllToAllRecorder() as unpatched:
+    autocasting = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)  # noqa: E731
+    with AllToAllRecorder() as unpatched, autocasting():
         want = _step(layer, x)
     setup(ep, etp=etp, coc=coc or {"moe_overlap": "1"}, chunks=chunks)
-    with AllToAllRecorder() as patched:
+    with AllToAllRecorder() as patched, autocasting():
         got = _step(layer, x)
     dispatcher = layer.token_dispatcher
     counts = getattr(dispatcher, "num_global_tokens_per_local_expert" if layer.num_local_experts > 1 else "output_splits",

@@ -269,3 +269,12 @@ def test_a_megatron_bridge_like_provider_runs_every_wing(pool):
         assert r["config_class"] == "GPTProviderLike"
         assert r["linear_calls"] > 0 and r["blocks"] == [None], (r["linear_calls"], r["blocks"])
         assert in_pieces(r["routes"], 4), r["routes"]
+
+
+def test_pieces_step_aside_under_autocast_naming_it(pool):
+    # Megatron's enable_autocast (CPU torch.autocast in bf16 here): the pieces are not verified under it.
+    from coc_inject.moe.guards import AUTOCAST
+
+    for rank, r in enumerate(run(pool, ep=2, experts=4, topk=2, autocast=True)):
+        assert r["route"] == ("megatron", AUTOCAST), (rank, r["route"])
+        assert r["out"] == 0 and r["x_grad"] == 0 and r["param_grad"] == 0, (rank, r)

@@ -385,3 +385,21 @@ def test_megatrons_ddp_with_overlap_grad_reduce_hears_each_gradient_once(pool):
         for step_got, step_want in zip(mine["grads"], theirs["grads"]):
             for name, grad in step_want.items():
                 assert (step_got[name] - grad).abs().max() <= 1e-5 * grad.abs().max() + 1e-9, name
+
+
+@pytest.mark.parametrize("chunks", [None, 4], ids=["megatron-linears", "coc-linears"])
+def test_copies_under_autocast_train_like_no_copies(pool, chunks):
+    """Megatron's enable_autocast (CPU torch.autocast in bf16 around forward and backward): the copies' threads
+    take the caller's autocast, the layers run in its dtype as without copies (the first loss equals Megatron's
+    to 1e-5: an fp32 forward would not), with CoC's chunked linears too. The second step's loss within bf16
+    rounding: each copy's weight gradient is rounded to bf16 before autograd sums the copies', Megatron's once
+    for the batch (the parameters after the SGD step differ by that rounding times the learning rate, not
+    bounded here). No SP: Megatron's own column linear cannot reduce-scatter a bf16 dgrad into its fp32
+    input's buffer."""
+    options = dict(tp=2, sp=False, b=4, steps=2, autocast=True)
+    got = pool.run("tests.multi_copy.multi_copy_cases:train", copies=2, **options, **({"chunks": chunks} if chunks else {}))
+    want = reference(pool, **options)
+    for g, w in zip(got, want):
+        assert g["routes"] == [(2, None)], g["routes"]
+        assert abs(g["losses"][0] - w["losses"][0]) <= 1e-5 * abs(w["losses"][0]), (g["losses"], w["losses"])
+        assert abs(g["losses"][1] - w["losses"][1]) <= 2.0**-8 * abs(w["losses"][1]), (g["losses"], w["losses"])

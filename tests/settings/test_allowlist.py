@@ -197,3 +197,15 @@ def test_moe_only_rows_leave_dense_blocks_alone():
     moe = small_config(moe_expert_capacity_factor=1.0)
     assert "moe_expert_capacity_factor=1.0 is refused by multi-copy: a capacity per copy" in \
         check.refusal(moe, check.MULTI_COPY, training=True)
+
+
+def test_enable_autocast_is_refused_by_the_sequence_copies_only():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, attention_dropout=0.0,
+                               hidden_dropout=0.0, enable_autocast=True,
+                               autocast_dtype=torch.bfloat16)
+    for wing in (check.LINEARS, check.CONTEXT_PARALLEL, check.MULTI_COPY):  # each honours it or steps aside per call
+        assert check.refusal(config, wing, training=True, kind="column") is None, wing
+    assert "enable_autocast=True is refused by sequence copies" in check.refusal(config, check.SEQUENCE_COPIES,
+                                                                                     training=True)
