@@ -13,7 +13,7 @@ from dist_harness import RankPool
 from scope import newest_only
 
 CASES = "tests.settings.wing_agreement_cases"
-POOL_TIMEOUT_S = 90  # a hang (before: copies of other sizes) fails the test after this, not the suite
+POOL_TIMEOUT_S = 120  # a hang (before: copies of other sizes) fails the test after this; the startup too
 AGREEMENT_TIMEOUT_S = 6.0  # the cases' agreement timeout (60 s in a job)
 
 
@@ -85,6 +85,8 @@ def test_pieces_auto_beside_1_is_named_on_both_ranks(pool):
 
 @newest_only
 def test_agreeing_ranks_run_on_and_check_once(pool):
-    """Equal settings: nothing said, and the check is not made again at a later call (its flag read)."""
-    results = pool.run(f"{CASES}:copies", prefix="copies-equal", copies=2)
+    """Equal settings: nothing said; three block calls exchange once, over the tensor-parallel group (the
+    context-parallel one has one rank): a later call reads a flag."""
+    results = pool.run(f"{CASES}:copies", prefix="copies-equal", copies=2, calls=3)
     assert [result["said"] for result in results] == [None, None], results
+    assert [result["exchanges"] for result in results] == [[[0, 1]], [[0, 1]]], results

@@ -33,19 +33,22 @@ def _parallel_state(kind: str) -> None:
     _state = kind
 
 
-def _checked(call, prefix: str, timeout_s: float, megatron_after) -> dict:
+def _checked(call, prefix: str, timeout_s: float, megatron_after, calls: int = 1) -> dict:
     """``call()`` under a short agreement timeout and store keys of ``prefix``'s own (a rank that never
     joined leaves its peers' rounds ahead: no later case may meet them). Where it raised the settings
     error: ``megatron_after()`` (the wing uninstalled) pairs this rank's Megatron collectives with a peer
-    that ran Megatron's path."""
-    held = agreement.AGREEMENT_TIMEOUT, agreement.KEY_PREFIX
+    that ran Megatron's path. ``calls``: how many calls (the store exchanges made are counted)."""
+    held = agreement.AGREEMENT_TIMEOUT, agreement.KEY_PREFIX, agreement._exchange
+    exchanges = []
+    agreement._exchange = lambda *args: exchanges.append(args[1]) or held[2](*args)
     agreement.AGREEMENT_TIMEOUT = datetime.timedelta(seconds=timeout_s)
     agreement.KEY_PREFIX = f"coc-inject/agreement-test/{prefix}"
     said, begin = None, time.monotonic()
     try:
         try:
             with torch.no_grad():
-                call()
+                for _ in range(calls):
+                    call()
         except agreement.ConfigMismatchError as error:
             said = str(error)
         seconds = time.monotonic() - begin
@@ -54,14 +57,14 @@ def _checked(call, prefix: str, timeout_s: float, megatron_after) -> dict:
             with torch.no_grad():
                 call()
     finally:
-        agreement.AGREEMENT_TIMEOUT, agreement.KEY_PREFIX = held
+        agreement.AGREEMENT_TIMEOUT, agreement.KEY_PREFIX, agreement._exchange = held
         job.uninstall()
         agreement.forget()
-    return {"said": said, "seconds": seconds}
+    return {"said": said, "seconds": seconds, "exchanges": exchanges}
 
 
 def copies(prefix: str, copies=1, parallel_num: int | None = None, timeout_s: float = 20.0,
-           megatron_after: bool = False) -> dict:
+           megatron_after: bool = False, calls: int = 1) -> dict:
     """One forward of a TransformerBlock (TP = the world, SP; 4 sequences) with ``copies`` (1: the copies
     not installed; "auto") and ``parallel_num`` (None: the linears not installed)."""
     from megatron.core.transformer import transformer_block
@@ -82,7 +85,7 @@ def copies(prefix: str, copies=1, parallel_num: int | None = None, timeout_s: fl
         linears.install(config)
     if copies != 1:
         copies_install.install(config, transformer_block)
-    return _checked(lambda: block(hidden, mask), prefix, timeout_s, megatron_after)
+    return _checked(lambda: block(hidden, mask), prefix, timeout_s, megatron_after, calls)
 
 
 def pieces(prefix: str, moe_overlap: str = "0", timeout_s: float = 20.0, megatron_after: bool = False) -> dict:
