@@ -80,8 +80,8 @@ class FirstCall:
 
 
 def _differences(ranks: list, payloads: list) -> list:
-    """What differs across ``payloads`` (in rank order), each as "NAME is V on ranks [...] and W on ranks
-    [...]": the settings where the fingerprints differ (the fingerprints themselves where no value
+    """What differs across ``payloads`` (in rank order), each as "NAME is V on ranks [0, 1] and W on rank 2":
+    the settings where the fingerprints differ (the fingerprints themselves where no value
     shows why: another coc-inject release), else the facts every rank gave; empty: they agree."""
     if len({payload["fingerprint"] for payload in payloads}) > 1:
         found = _differing(ranks, [payload.get("settings", {}) for payload in payloads], every=False)
@@ -100,8 +100,9 @@ def _differing(ranks: list, tables: list, every: bool) -> list:
         for rank, table in zip(ranks, tables):
             by_value.setdefault(json.dumps(table.get(name, "(not known there)")), []).append(rank)
         if len(by_value) > 1:
-            differences.append(f"{name} is " + " and ".join(f"{json.loads(value)} on ranks {on}"
-                                                            for value, on in by_value.items()))
+            differences.append(f"{name} is " + " and ".join(
+                f"{json.loads(value)} on " + (f"rank {on[0]}" if len(on) == 1 else f"ranks {on}")
+                for value, on in by_value.items()))
     return differences
 
 

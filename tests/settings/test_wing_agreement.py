@@ -37,7 +37,7 @@ def _named_on_every_rank(results, *fragments):
 def test_copies_2_beside_4_is_named_on_both_ranks(pool):
     results = pool.run_per_rank(f"{CASES}:copies", [{"prefix": "copies-2-4", "copies": 2},
                                                     {"prefix": "copies-2-4", "copies": 4}])
-    _named_on_every_rank(results, "COC_MULTI_COPY is 2 on ranks [0] and 4 on ranks [1]")
+    _named_on_every_rank(results, "COC_MULTI_COPY is 2 on rank 0 and 4 on rank 1")
 
 
 @newest_only
@@ -60,7 +60,7 @@ def test_copies_beside_a_rank_with_only_the_linears_is_named_where_their_checks_
     copies' check meet on the tensor-parallel group's keys: both named at once, no timeout."""
     results = pool.run_per_rank(f"{CASES}:copies", [{"prefix": "copies-linears", "copies": 2, "parallel_num": 2},
                                                     {"prefix": "copies-linears", "copies": 1, "parallel_num": 2}])
-    _named_on_every_rank(results, "COC_MULTI_COPY is 2 on ranks [0] and 1 on ranks [1]")
+    _named_on_every_rank(results, "COC_MULTI_COPY is 2 on rank 0 and 1 on rank 1")
 
 
 @newest_only
@@ -80,7 +80,7 @@ def test_pieces_auto_beside_1_is_named_on_both_ranks(pool):
     whose dispatcher finds its expert groups through the parallel state.)"""
     results = pool.run_per_rank(f"{CASES}:pieces", [{"prefix": "pieces-auto-1", "moe_overlap": "auto"},
                                                     {"prefix": "pieces-auto-1", "moe_overlap": "1"}])
-    _named_on_every_rank(results, "COC_MOE_OVERLAP is auto on ranks [0] and 1 on ranks [1]")
+    _named_on_every_rank(results, "COC_MOE_OVERLAP is auto on rank 0 and 1 on rank 1")
 
 
 @newest_only
