@@ -90,3 +90,22 @@ def test_agreeing_ranks_run_on_and_check_once(pool):
     results = pool.run(f"{CASES}:copies", prefix="copies-equal", copies=2, calls=3)
     assert [result["said"] for result in results] == [None, None], results
     assert [result["exchanges"] for result in results] == [[[0, 1]], [[0, 1]]], results
+
+
+@newest_only
+def test_equal_settings_with_a_fact_apart_are_named_by_the_fact():
+    """A rank whose copies cannot run (its torch's autograd, multi_copy/autograd_check.py) beside one whose
+    can: equal settings, other collectives. A fact only some ranks' checks give (another wing's check met
+    on the group's keys) is not compared."""
+    from coc_inject.config import CocConfig
+    from coc_inject.pipeline import agreement
+
+    config = CocConfig(multi_copy=2)
+
+    def payload(**facts):
+        return {"fingerprint": config.fingerprint(), "settings": config.agreed_values(), "facts": facts}
+
+    can = "multi-copy can run here"
+    assert agreement._differences([0, 1, 2], [payload(**{can: True}), payload(**{can: False}), payload(**{can: True})]) \
+        == [f"{can} is True on ranks [0, 2] and False on rank 1"]
+    assert agreement._differences([0, 1], [payload(**{can: True}), payload()]) == []
