@@ -48,6 +48,9 @@ CP_SUITES := tests/context_parallel/test_cp_gpt.py tests/multi_copy/test_multi_c
 # test_moe_ddp.py: the pieces under Megatron's DDP with overlap_grad_reduce (0.12 to 0.15 assert one hook call per parameter).
 MOE_SUITES := tests/moe/test_moe.py tests/moe/test_moe_grouped.py tests/moe/test_moe_ddp.py
 MOE_OLDEST := 'tests/moe/test_moe_e2e.py::test_tp2_sp_by_ep2_trains_as_off_with_the_moe_layers_in_pieces[grouped]'
+# The MoE pieces' settings agreed across ranks on the oldest release too (its dispatcher's expert groups are
+# properties over the parallel state; #51 item 3).
+AGREEMENT_OLDEST := 'tests/settings/test_wing_agreement.py::test_pieces_auto_beside_1_is_named_on_both_ranks'
 
 LINK ?= 1gbit
 ROUNDS ?= 3
@@ -97,7 +100,7 @@ test-older: $(VENV_OLDER)/.installed
 	TEST_SCOPE=older-release $(VENV_OLDER)/bin/python -m pytest $(MOE_SUITES)
 
 test-oldest: $(VENV_OLDEST)/.installed
-	TEST_SCOPE=older-release $(VENV_OLDEST)/bin/python -m pytest $(LAYER_SUITES) $(CP_SUITES) $(MOE_SUITES) $(MOE_OLDEST)
+	TEST_SCOPE=older-release $(VENV_OLDEST)/bin/python -m pytest $(LAYER_SUITES) $(CP_SUITES) $(MOE_SUITES) $(MOE_OLDEST) $(AGREEMENT_OLDEST)
 
 bench-startup: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.startup

@@ -63,6 +63,13 @@ def async_op_index(function) -> int | None:
     """Where ``function`` (a collective, or whatever wraps one in place) takes ``async_op`` positionally;
     None where only by keyword (``def call(*args, async_op=False, **kwargs)``, another tool's wrapper) or
     not at all. Read through ``__wrapped__``; made once per function by the callers (signatures are slow)."""
+    return parameter_index(function, "async_op")
+
+
+def parameter_index(function, name: str) -> int | None:
+    """Where ``function`` takes its parameter ``name`` positionally (``group``: Megatron's distributed
+    optimizer passes it third to ``all_gather``); None where only by keyword or not at all. Read through
+    ``__wrapped__``; made once per function by the callers."""
     try:
         parameters = list(inspect.signature(function).parameters.values())
     except (TypeError, ValueError):
@@ -70,7 +77,7 @@ def async_op_index(function) -> int | None:
     for index, parameter in enumerate(parameters):
         if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
             return None  # *args or keyword-only from here on
-        if parameter.name == "async_op":
+        if parameter.name == name:
             return index
     return None
 

@@ -45,6 +45,8 @@ class Exposure:
         self._trials_at_begin = trial.entered()
         self._finished = False
         self._own = False  # the meter's own collective (peers.py) is in flight
+        self._kept_apart: dict = {}  # id(group) -> (group, collectives issued inside auto's trials this step)
+        self.not_comparable: list = []  # groups whose members recorded other collectives (peers.py), per step
         self._window: list = []  # the last COC_MEASURE_EVERY steps' sums
         self.per_step: list = []
         self.warnings: list = []
@@ -56,6 +58,13 @@ class Exposure:
 
     def paused(self) -> bool:
         return self._own or trial.active()  # auto's trials, the meter's own reduce: not the job's communication
+
+    def kept_apart(self, group) -> None:
+        """A collective issued inside auto's trials: never in the sums, its group compared at the step's end
+        all the same (a peer may have issued it outside its trials, peers.py)."""
+        if not self._own:
+            entry = self._kept_apart.get(id(group))
+            self._kept_apart[id(group)] = (group, 1 if entry is None else entry[1] + 1)
 
     def clock_for(self, device_type: str, record):
         module = clocks.device_module(device_type)
@@ -120,7 +129,7 @@ class Exposure:
                 self._separate_peers()
             trials = trial.entered() != self._trials_at_begin
             self._pending.append((self.step, self._records, self._begin, end, self._device_clock, trials))
-        self._records = []
+        self._records, self._kept_apart = [], {}
         if self._device_clock is not None:
             self._device_clock = clocks.DeviceClock(self._device_clock.module)  # the next step's anchor
         self.step += 1
@@ -142,9 +151,19 @@ class Exposure:
             return
         self._own = True
         try:
-            peers.separate(self._records)
+            mismatched = peers.separate(self._records, self._kept_apart)
         finally:
             self._own = False
+        for group, (fewest, most), recorded, in_trials in mismatched:
+            name = self.group_name(group)
+            entry = {"step": self.step, "group": name, "ranks": _ranks(group), "recorded": recorded,
+                     "members_recorded": [fewest, most], "in_trials": in_trials}
+            self.not_comparable.append(entry)
+            log.once(("COC_MEASURE not comparable", name), logging.WARNING,
+                     f"COC_MEASURE: step {self.step}, group {name} (ranks {entry['ranks']}): its ranks recorded "
+                     f"other collectives ({fewest} to {most}; this rank {recorded}, and {in_trials} inside auto's "
+                     "trials, kept apart): not comparable, its waits are not told apart from waiting for slower "
+                     "ranks (all exposed)")
 
     def finish(self) -> None:
         """At exit: the step in progress is not a step; the pending ones are resolved (one sync)."""
@@ -259,7 +278,17 @@ class Exposure:
             "warnings": self.warnings,
             "traces": self.traced,
             "trace_warnings": self.trace_warnings,
+            "not_comparable": self.not_comparable[:PER_STEP_KEPT],
         }
+
+
+def _ranks(group) -> list:
+    import torch.distributed as dist
+
+    try:
+        return list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - a stand-in group (tests)
+        return []
 
 
 def _named(summary, names: dict):

@@ -40,9 +40,13 @@ def _tensors(args, kwargs):
                     yield item.tensor
 
 
-def _group(name, args, kwargs):
+def _group(name, args, kwargs, group_index):
+    """The call's process group wherever the caller put it (``group_index``: its position in the
+    collective's signature, dist_interception.parameter_index); None: the world."""
     if "group" in kwargs:
         return kwargs["group"]
+    if group_index is not None and len(args) > group_index:
+        return args[group_index]
     if name == "batch_isend_irecv" and args and args[0]:
         return getattr(args[0][0], "group", None)
     return None
@@ -83,9 +87,14 @@ class MeteredWork:
 def wrapper(exposure, name: str, original):
     """``original`` (a torch.distributed collective) measured into ``exposure`` while it records."""
     async_index = dist_interception.async_op_index(original)
+    group_index = dist_interception.parameter_index(original, "group")  # once per function: signatures are slow
 
     def metered(*args, **kwargs):
-        if not exposure.recording or exposure.paused():
+        if not exposure.recording:
+            return original(*args, **kwargs)
+        if exposure.paused():  # auto's trials: kept apart, the group noted (peers.py); the meter's own: nothing
+            if name != "batch_isend_irecv":
+                exposure.kept_apart(_group(name, args, kwargs, group_index))
             return original(*args, **kwargs)
         tensors = list(_tensors(args, kwargs))
         device = tensors[0].device.type if tensors else "cpu"
@@ -94,7 +103,7 @@ def wrapper(exposure, name: str, original):
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         wing = attribution.issuer()
         phase = attribution.phase(wing)
-        handle = _group(name, args, kwargs)
+        handle = _group(name, args, kwargs, group_index)
         group = exposure.group_name(handle)
         if group in attribution.EXPERT_GROUPS and wing.startswith("megatron"):
             wing = "megatron moe"  # its all-to-all's backward runs in the mappings alone (no MoE frame above)

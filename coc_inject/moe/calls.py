@@ -24,6 +24,7 @@ import torch
 from coc_inject import copy_context, job, log
 from coc_inject.moe import auto, counts, grouped, guards
 from coc_inject.moe.function import PieceRun, PipelinedExperts
+from coc_inject.pipeline import agreement
 from coc_inject.routes import COPIES_CHOSE_DISPATCHER, MoERoute
 
 # COC_MOE_OVERLAP=1 cuts each local expert's rows into chunks up to this many pieces: with P pieces a
@@ -147,9 +148,16 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
     """``MoELayer.forward``: decide the call, run Megatron's forward with the call current, count it.
     ``taken``: the experts classes whose forward stages.py made run the pieces (None: the layer's stages)."""
     deciding = installation.config.moe_overlap == "auto"
+    # The settings agreed over the expert groups the pieces' (and auto's) collectives run over, at the first call.
+    check = agreement.FirstCall(installation.config,
+                                f"the MoE pieces (COC_MOE_OVERLAP={installation.config.moe_overlap}) at their first layer call")
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
+        if check.pending:
+            dispatcher = getattr(self, "token_dispatcher", None)
+            check([getattr(dispatcher, "tp_ep_group", None) or getattr(dispatcher, "ep_group", None)],
+                  {"MoE pieces can run here": megatron_middle is not None})
         reason = _layer_reason(self, taken) or guards.call_reason(self, hidden_states)
         if reason is None and deciding and not copy_context.experts_in_pieces():
             reason = COPIES_CHOSE_DISPATCHER  # the block's trials found its copies faster without pieces

@@ -13,7 +13,8 @@ import weakref
 
 from coc_inject import job, log
 from coc_inject.config import AUTO
-from coc_inject.multi_copy import auto, autograd_check, block as copies_block, moe as copies_moe, scheduler, splits
+from coc_inject.multi_copy import agreed, auto, autograd_check, block as copies_block, moe as copies_moe, scheduler, splits
+from coc_inject.pipeline import agreement
 from coc_inject.routes import CopiesRoute
 
 AUTO_STEPPED_ASIDE = "auto: no copies were faster for this shape"
@@ -32,10 +33,16 @@ class MultiCopy:
         self.copies = auto.AUTO_COPIES[0] if self.auto else config.multi_copy  # auto: the split is checked for the fewest
         self.linears_auto = config.tunes_linears
         self.experts_auto = config.moe_armed and config.moe_overlap == "auto"
+        shown = config.agreed_values()["COC_MULTI_COPY"]
+        self.agreement = agreement.FirstCall(config, f"multi-copy (COC_MULTI_COPY={shown}) at its first block call")
 
     def split(self, block, original, args, kwargs) -> tuple:
         """``(Split, forward's arguments by name)`` of a block call that runs as copies, else
-        ``(why not, None)``: the block and the call (splits.py), then COC_MULTI_COPY=auto's trials (auto.py)."""
+        ``(why not, None)``: the block and the call (splits.py), then COC_MULTI_COPY=auto's trials (auto.py).
+        The first call agrees the settings over the block's groups (agreed.py) before any of them."""
+        if self.agreement.pending:
+            self.agreement(agreed.groups(block, self.auto or self.linears_auto or self.experts_auto),
+                           {"multi-copy can run here": self.unsupported is None})
         reason = (self.unsupported or autograd_check.saved_hooks_reason() or splits.block_reason(block, self.copies)
                   or copies_moe.block_reason(block))
         if reason is not None:

@@ -101,6 +101,13 @@ class CocConfigBehaviour:
                 agreed.update((row.field, getattr(self, row.field)) for row in rows)
         return agreed
 
+    def agreed_values(self) -> dict:
+        """Every agreed setting as a rank shows it, by its variable (its COC_CONFIG key where it has
+        none): what a settings mismatch names (pipeline/agreement.py). Defaults included, so that a
+        setting left alone on one rank shows its value beside another rank's."""
+        return {row.variable or row.file_key or row.field: row.kind.shown(getattr(self, row.field))
+                for row in table.FIELDS if row.agreed is not None}
+
     def fingerprint(self) -> int:
         """A non-negative int < 2**63, equal across processes and machines for equal settings.
 
