@@ -33,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
                    help="CUDA: share of a transfer's bytes also moved through device memory (default the preset's)")
     p.add_argument("--on", choices=("auto", "fixed"), default="auto",
                    help="on: each wing's auto (default), or fixed: forced on (2 chunks, 2 copies, MoE pieces, the CP ring)")
+    p.add_argument("--seq", type=int, default=None,
+                   help="every part's sequence set to this (a quick check of a model's code paths on the CPU)")
     p.add_argument("--json", metavar="OUT", help="write the rows to OUT as JSON")
     return p
 
@@ -86,7 +88,13 @@ def _line(row: dict) -> str:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     parts = shapes.model(args.model)
+    if args.seq is not None:
+        from dataclasses import replace as replaced
+
+        parts = tuple(replaced(part, seq=args.seq) for part in parts)
     on_device = not args.device.startswith("cpu")
+    if args.device == "cuda":  # torch.cuda.set_device needs an index
+        args.device = f"cuda:{torch.cuda.current_device()}"
     link = links.preset(args.preset or ("nvlink4" if on_device else "1gbit"))
     if args.device_share is not None:
         from dataclasses import replace
