@@ -81,10 +81,11 @@ class LabGroup(dist.ProcessGroup):
         return getattr(self, "_name", "")
 
     def _run(self, kind: str, nbytes: int, move, tensors) -> LabWork:
-        seconds = self._state.link.seconds(kind, nbytes, self._size)
+        link = self._state.link
+        seconds = link.seconds(kind, nbytes, self._size)
         self._state.comm_seconds += seconds
         self._state.collectives += 1
-        token = self._lane.submit(seconds, nbytes, move, tensors)
+        token = self._lane.submit(seconds, int(nbytes * link.device_share), move, tensors)
         return LabWork(self._lane.streams, token, tuple(tensors))
 
     # -- collectives --------------------------------------------------------------------------------

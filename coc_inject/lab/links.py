@@ -37,8 +37,8 @@ class Link:
         return nbytes * self.factor(kind, ranks) / (self.busbw_gbps * 1e9) + self.steps(kind, ranks) * self.latency_us * 1e-6
 
     def zero(self) -> "Link":
-        """The same link taking no time: what the compute-only twin runs over."""
-        return replace(self, name=f"{self.name} (zero time)", busbw_gbps=float("inf"), latency_us=0.0)
+        """The same link taking no time and loading no device memory: what the compute-only twin runs over."""
+        return replace(self, name=f"{self.name} (zero time)", busbw_gbps=float("inf"), latency_us=0.0, device_share=0.0)
 
 
 _ALAYA = "docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests (nccl-tests all_reduce_perf busbw at large sizes)"

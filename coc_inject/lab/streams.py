@@ -57,7 +57,7 @@ class ThreadStreams:
         self._jobs.put((job, done))
         return done
 
-    def hold(self, seconds: float, nbytes: int) -> None:
+    def hold(self, seconds: float, moved: int) -> None:
         if seconds > 0:
             time.sleep(seconds)
 
@@ -79,11 +79,10 @@ class CudaStreams:
     """A CUDA side stream a lane (module docstring). ``cuda`` is torch.cuda (a test may hand in a
     recorder of the calls: the contract is the order of events, waits and records)."""
 
-    def __init__(self, device, device_share: float = 1.0, cuda=None, calibrate: bool = True):
+    def __init__(self, device, cuda=None, calibrate: bool = True):
         self.cuda = cuda or torch.cuda
         self.device = torch.device(device)
         self.side = self.cuda.Stream(device=self.device)
-        self.device_share = device_share
         self._scratch = None
         if not calibrate:
             self.cycles_per_s, self.copy_bytes_per_s = 1.4e9, 1e12
@@ -108,10 +107,10 @@ class CudaStreams:
             tensor.record_stream(self.side)
         return done
 
-    def hold(self, seconds: float, nbytes: int) -> None:
-        """On the side stream: the transfer's bytes through device memory (a share), then a spin for
-        the rest of its time (the spin kernel is one block; NCCL's channels occupy more SMs)."""
-        moved = int(nbytes * self.device_share) // 2 * 2
+    def hold(self, seconds: float, moved: int) -> None:
+        """On the side stream: ``moved`` bytes through device memory (the link's share of the transfer's),
+        then a spin for the rest of its time (the spin kernel is one block; NCCL's channels occupy more SMs)."""
+        moved = moved // 2 * 2
         if moved:
             if self._scratch is None or self._scratch.numel() < moved:
                 self._scratch = torch.empty(moved, dtype=torch.uint8, device=self.device)
@@ -156,11 +155,12 @@ class Lane:
     def __init__(self, streams):
         self.streams = streams
 
-    def submit(self, seconds: float, nbytes: int, move, tensors) -> object:
+    def submit(self, seconds: float, moved: int, move, tensors) -> object:
+        """A transfer of ``seconds`` moving ``moved`` bytes through device memory, then ``move()`` writing its outputs."""
         after = self.streams.mark()
 
         def job():
-            self.streams.hold(seconds, nbytes)
+            self.streams.hold(seconds, moved)
             with torch.no_grad():
                 move()
         return self.streams.launch(job, after, tensors)

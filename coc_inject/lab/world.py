@@ -35,7 +35,7 @@ def lab_group(link, device: str, world: int):
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-        make = lambda: CudaStreams(device, link.device_share)  # noqa: E731
+        make = lambda: CudaStreams(device)  # noqa: E731
     else:
         make = ThreadStreams
     state = backend.LabState(link=link, make_streams=make)

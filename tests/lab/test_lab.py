@@ -161,7 +161,7 @@ def test_cuda_stream_contract_as_nccl():
     holds and writes there, records its end; the tensors are recorded on it; wait() makes the stream
     current *at wait time* wait on the end event, with no host sync."""
     cuda = _Recorder()
-    streams = CudaStreams("cpu", device_share=0.0, cuda=cuda, calibrate=False)
+    streams = CudaStreams("cpu", cuda=cuda, calibrate=False)
     lane, wrote = Lane(streams), []
     token = lane.submit(0.001, 0, lambda: wrote.append(cuda._current), [_Tensor(cuda.calls)])
     assert wrote == ["side"]  # the outputs are written on the side stream
