@@ -113,6 +113,8 @@ class LabGroup(dist.ProcessGroup):
             work = self._allgather_base(output, input, opts)
         return work
 
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
     def _reduce_scatter_base(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._run("reduce_scatter", outputs.tensor_bytes(input),
@@ -124,6 +126,8 @@ class LabGroup(dist.ProcessGroup):
         for output, input in zip(outputs_, inputs):
             work = self._reduce_scatter_base(output, input, opts)
         return work
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def alltoall_base(self, output, input, output_splits, input_splits, opts=None):
         outputs.check_splits(output, input, output_splits, input_splits, self._size)
