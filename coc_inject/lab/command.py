@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
 from coc_inject.lab import links, shapes, steps, world
 
 ROW_FIELDS = ("model", "part", "on", "preset", "device", "wing", "off_ms", "on_ms", "speedup", "compute_ms", "comm_ms",
-              "limit_share", "max_loss_diff", "off_collectives", "on_collectives", "scale_to_depth", "decisions", "off_peak_bytes", "on_peak_bytes")
+              "limit_share", "max_loss_diff", "off_collectives", "on_collectives", "scale_to_depth", "decisions",
+              "off_peak_bytes", "on_peak_bytes")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,10 +65,12 @@ def run_part(model: str, part, link, device: str, wings, n_steps: int, warmup: i
             if wing == "off":
                 continue
             decided = {}
-            on = steps.run(part, settings, state, device, dtype, n_steps, warmup, on_done=lambda: decided.update(_decisions()))
+            on = steps.run(part, settings, state, device, dtype, n_steps, warmup,
+                           on_done=lambda: decided.update(_decisions()))
             scale = part.depth / part.layers
             rows.append({
-                "model": model, "part": part.name, "on": "fixed" if fixed else "auto", "preset": link.name, "device": device, "wing": wing,
+                "model": model, "part": part.name, "on": "fixed" if fixed else "auto", "preset": link.name,
+                "device": device, "wing": wing,
                 "off_ms": off["ms"], "on_ms": on["ms"], "speedup": off["ms"] / on["ms"],
                 "compute_ms": twin["ms"], "comm_ms": off["comm_ms"], "limit_share": limit / on["ms"],
                 "max_loss_diff": max(abs(a - b) for a, b in zip(off["losses"], on["losses"])),
@@ -87,18 +91,17 @@ def _line(row: dict) -> str:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    parts = shapes.model(args.model)
+    try:
+        parts = shapes.model(args.model)
+        link = links.preset(args.preset or ("1gbit" if args.device == "cpu" else "nvlink4"))
+    except ValueError as error:
+        print(f"coc-inject lab: {error}", file=sys.stderr)
+        return 2
     if args.seq is not None:
-        from dataclasses import replace as replaced
-
-        parts = tuple(replaced(part, seq=args.seq) for part in parts)
-    on_device = not args.device.startswith("cpu")
+        parts = tuple(replace(part, seq=args.seq) for part in parts)
     if args.device == "cuda":  # torch.cuda.set_device needs an index
         args.device = f"cuda:{torch.cuda.current_device()}"
-    link = links.preset(args.preset or ("nvlink4" if on_device else "1gbit"))
     if args.device_share is not None:
-        from dataclasses import replace
-
         link = replace(link, device_share=args.device_share)
     indices = args.part or range(len(parts))
     for index in indices:
