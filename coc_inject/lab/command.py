@@ -51,7 +51,8 @@ def _decisions() -> dict:
             for wing in (job.LINEARS, job.ATTENTION, job.MULTI_COPY, job.MOE) if current.decisions(wing)}
 
 
-def run_part(model: str, part, link, device: str, wings, n_steps: int, warmup: int, fixed: bool = False) -> list:
+def run_part(model: str, part, link, device: str, wings, n_steps: int, warmup: int, fixed: bool = False,
+             on_row=None) -> list:
     dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     chosen = {name: settings for name, settings in steps.variants(part, fixed).items()
               if name == "off" or wings is None or name in wings}
@@ -79,6 +80,8 @@ def run_part(model: str, part, link, device: str, wings, n_steps: int, warmup: i
                 "off_peak_bytes": off["peak_bytes"], "on_peak_bytes": on["peak_bytes"],
                 "losses_off": off["losses"], "losses_on": on["losses"]})
             print(_line(rows[-1]), flush=True)
+            if on_row is not None:
+                on_row(rows[-1])
     return rows
 
 
@@ -111,13 +114,16 @@ def main(argv=None) -> int:
     print(f"coc-inject lab: {args.model} on {args.device}, link {link.name} ({link.busbw_gbps:g} GB/s bus bandwidth, "
           f"{link.latency_us:g} us a step) - lab figures on one device with an emulated interconnect, not a cluster run")
     rows = []
+
+    def keep(row):  # written after every row: a step cut short by its time limit keeps what it measured
+        rows.append(row)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"model": args.model, "device": args.device, "link": vars(link), "rows": rows}, out, indent=1,
+                          default=str)
     for index in indices:
-        rows += run_part(args.model, parts[index], link, args.device, args.wing, args.steps, args.warmup,
-                         args.on == "fixed")
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"model": args.model, "device": args.device, "link": vars(link) if hasattr(link, "__dict__")
-                       else str(link), "rows": rows}, out, indent=1, default=str)
+        run_part(args.model, parts[index], link, args.device, args.wing, args.steps, args.warmup, args.on == "fixed",
+                 on_row=keep)
     return 0
 
 
