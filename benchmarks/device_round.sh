@@ -6,7 +6,8 @@
 # ROUND=ranks (default): which collectives gloo moves as CUDA tensors, then the self-test's
 # multi-rank cases on real kernels with 2 (then 4) ranks sharing the GPU over gloo
 # (COC_SELFTEST_DEVICE=cuda-gloo), one wing per run so that one abort loses one wing, then the
-# one-rank cases over NCCL. Outputs land in $OUT (the device tool's folder) or benchmarks/out/device.
+# one-rank cases over NCCL. ROUND=lab: `coc-inject lab` on real models' per-rank shapes (docs/lab.md).
+# Outputs land in $OUT (the device tool's folder) or benchmarks/out/device.
 OUT=${OUT:-benchmarks/out/device}; mkdir -p "$OUT" /tmp/coc-device-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/coc-device-site .whl/*.whl
 export PYTHONPATH=/tmp/coc-device-site:$PWD PYTHONUNBUFFERED=1
@@ -22,6 +23,19 @@ shared() {  # shared LIMIT RANKS WINGS NAME: the self-test's WINGS on RANKS rank
     step "$1" env COC_SELFTEST_DEVICE=cuda-gloo $run --nproc-per-node "$2" -m coc_inject.selftest --cases "$3" \
         --json "$OUT/selftest-cuda-gloo-$2-$4.json"
 }
+if [ "${ROUND:-ranks}" = lab ]; then  # the overlap lab (docs/lab.md): one process, one GPU, NVLink-4 preset, ~5 min
+    lab() {  # lab LIMIT NAME ARGS...: one model's wings off and on, rows to $OUT/lab-NAME.json
+        local limit=$1 name=$2; shift 2
+        step "$limit" python3 -m coc_inject lab --device cuda --preset nvlink4 --json "$OUT/lab-$name.json" "$@"
+    }
+    # rows are written as they come: a step cut short keeps what it measured
+    lab 100 llama3-70b --model llama3-70b --steps 3 --warmup 2      # CoC auto, every wing auto: share of max(C, M)
+    lab 55 mixtral-ep8 --model mixtral-8x7b --part 0 --steps 3 --warmup 2
+    lab 55 qwen3-like --model qwen3-30b-a3b --steps 3 --warmup 2
+    lab 40 llama3-8b-tp8 --model llama3-8b --part 2 --steps 3 --warmup 2
+    lab 35 llama3-8b-cp4 --model llama3-8b-cp --steps 3 --warmup 2
+    exit $failed
+fi
 if [ "${ROUND:-ranks}" = wgrad ]; then
     step 90 python3 benchmarks/wgrad_device.py --json "$OUT/wgrad.json"
     exit $failed

@@ -320,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "/ model dimensions into the tune cache; prints the equivalent fixed settings "
                         "(coc-inject tune -h)")
     commands.add_parser("selftest", help="every wing against the truth on your devices (coc-inject selftest -h)")
+    commands.add_parser("lab", help="every wing off and on over a parallel group emulated in one process, at an "
+                        "interconnect's speed (coc-inject lab -h)")
     return parser
 
 
@@ -338,6 +340,10 @@ def main(argv=None) -> int:
         from coc_inject.selftest.run import main as selftest_main
 
         return selftest_main(argv[1:])
+    if argv[:1] == ["lab"]:
+        from coc_inject.lab.command import main as lab_main
+
+        return lab_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args)
