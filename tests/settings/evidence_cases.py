@@ -86,13 +86,16 @@ def _step(block, hidden, mask) -> dict:
     return {"out": out.detach().float().clone(), "dx": x.grad.detach().float().clone(), **grads}
 
 
-def _distance(on: dict, off: dict) -> float:
+def _distance(on: dict, off: dict, where: list | None = None) -> float:
     if set(on) != set(off):
         return float("inf")
     worst = 0.0
     for name, expected in off.items():
         scale = expected.abs().max().item() or 1.0
-        worst = max(worst, (on[name] - expected).abs().max().item() / scale)
+        distance = (on[name] - expected).abs().max().item() / scale
+        if where is not None and distance > 1e-4:
+            where.append(name)
+        worst = max(worst, distance)
     return worst
 
 
@@ -109,7 +112,8 @@ def _wing_run(block, hidden, mask, off: dict, coc: dict, wing: str) -> dict:
     ran, counts = {}, {}
     with block_variant(block, CocConfig(**coc), ran=ran), _calls(counts):
         on = _step(block, hidden, mask)
-    result = {"distance": _distance(on, off), "collectives": sum(counts.values())}
+    where: list = []
+    result = {"distance": _distance(on, off, where), "collectives": sum(counts.values()), "where": where[:4]}
     if "copies" in ran:
         result["ran"] = ran["copies"]
     if wing == "moe":
