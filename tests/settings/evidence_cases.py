@@ -191,3 +191,61 @@ def moe_fields(fields: list) -> dict:
         return {field: _moe_field(field) for field in fields}
     finally:
         reinitialize_model_parallel(tensor_model_parallel_size=world)
+
+
+def _pair_field(field: str) -> dict:
+    """Megatron's ColumnParallelLinear -> RowParallelLinear (TP 2, SP, fp32 weights), the linears (chunks 2)."""
+    from coc_inject.config import CocConfig
+    from coc_inject.testbed.models import block_variant
+    from tests.linears import layer_cases
+
+    settings = _settings(field)
+    torch.manual_seed(3)
+    pair = torch.nn.ModuleList([
+        layer_cases.build_layer("column", sequence_parallel=True, bias=False, skip_bias_add=False, dtype="float32",
+                                hidden=16, ffn=32),
+        layer_cases.build_layer("row", sequence_parallel=True, bias=False, skip_bias_add=False, dtype="float32",
+                                hidden=16, ffn=32)])
+    config = types.SimpleNamespace(**{"enable_autocast": False, "autocast_dtype": None, **settings})
+    x = layer_cases.make_input("column", pair[0], sequence_parallel=True, seq=16, batch=2, dtype="float32")
+
+    backward = [True]  # Megatron's backward under CPU autocast (custom_bwd for "cuda") fails: forward only then
+
+    def step():
+        for param in pair.parameters():
+            param.grad = None
+        inputs = x.clone().requires_grad_(backward[0])
+        with _schedule_context(config):
+            out = pair[1](pair[0](inputs)[0])[0]
+        found = {"out": out.detach().float(), "dtype": torch.zeros(0, dtype=out.dtype)}
+        if backward[0]:
+            out.float().sum().backward()
+            found.update(dx=inputs.grad.float(), **{n: p.grad.float() for n, p in pair.named_parameters()})
+        return found
+
+    try:
+        try:
+            off = step()
+        except RuntimeError:
+            backward[0] = False
+            off = step()
+    except Exception:  # noqa: BLE001
+        return {"megatron": traceback.format_exc(limit=6)}
+
+    def on() -> dict:
+        counts: dict = {}
+        with block_variant(pair, CocConfig(parallel_num=2)), _calls(counts):
+            got = step()
+        if got["dtype"].dtype != off["dtype"].dtype:
+            raise AssertionError(f"output dtype {got['dtype'].dtype}, Megatron's {off['dtype'].dtype}")
+        return {"distance": _distance({k: v for k, v in got.items() if k != "dtype"},
+                                      {k: v for k, v in off.items() if k != "dtype"}), "ran": "chunked"}
+
+    return {"linears": _guarded(on)}
+
+
+def pair_fields(fields: list) -> dict:
+    from tests.dist_harness import reinitialize_model_parallel
+
+    reinitialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    return {field: _pair_field(field) for field in fields}
