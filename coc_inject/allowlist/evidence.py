@@ -35,9 +35,9 @@ MEETS = ("megatron/core/transformer/", "megatron/core/tensor_parallel/", "megatr
 CONFIG_FILES = ("megatron/core/model_parallel_config.py", "megatron/core/transformer/transformer_config.py")
 
 # The wing's case in test_evidence.py: "dense" (a TransformerBlock, TP 2 with SP: the linears, batch copies,
-# sequence copies) and "moe" (a block of MoE layers, TP 2 x EP 2: the pieces, batch copies). Context-parallel
+# sequence copies) and "moe" (a block of MoE layers, TP 2 x EP 2: the linears, batch copies). Context-parallel
 # attention and the sequence copies have no generated case yet (NOT_YET): their rows are cited or say why not.
-CASES = {"linears": ("dense", "pair"), "multi_copy": ("dense", "moe")}
+CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe")}
 # Applied by Megatron's schedule around the forward, on the CPU as torch.autocast("cpu"): Megatron's own local
 # block does not run under CPU autocast (a bf16 / fp32 matmul in its layers), its linears do: the linears' case
 # for it is Megatron's ColumnParallelLinear -> RowParallelLinear ("pair").
@@ -84,6 +84,12 @@ CPU_VALUES = {name: settings for name, settings in {
     "mlp_chunks_for_training": _v(2),
     "normalization": _v("LayerNorm"),
     "num_layers": _v(3),
+    "num_attention_heads": _v(8),
+    "use_cpu_initialization": _v(True),  # every case builds with it (its default is False)
+    "init_method": _v("torch.nn.init.xavier_uniform_"),
+    "output_layer_init_method": _v("torch.nn.init.xavier_uniform_"),
+    "bias_activation_fusion": _v(True),
+    "bias_dropout_fusion": _v(True),
     "num_query_groups": _v(2),
     "params_dtype": _v(_bf16),
     "qk_layernorm": _v(True),
@@ -153,6 +159,8 @@ CANNOT_TEST = {
            "use_te_activation_func", "use_transformer_engine_op_fuser", "fused_single_qkv_rope", "apply_rope_fusion",
            "use_fused_weighted_squared_relu", "persist_layer_norm", "masked_softmax_fusion", "moe_router_fusion",
            "moe_permute_fusion", "flash_attention_version", "moe_grouped_gemm", "symmetric_ar_type"),
+    **_why("a sliding window: Megatron's local attention makes its window mask on CUDA", "window_size",
+           "window_attn_skip_freq"),
     **_why("read only under an inference context or InferenceMode, which a training step never passes",
            "flash_decode", "mlp_chunks_for_prefill", "inference_disable_triton_nvls_kernels",
            "inference_fuse_tp_communication", "inference_grouped_gemm_backend",

@@ -168,13 +168,16 @@ def dense_fields(fields: list) -> dict:
 
 
 def _moe_field(field: str) -> dict:
-    """The MoE pieces and batch copies (2) on a block of MoE layers (EP 2, TP 2)."""
+    """The MoE pieces, the linears (chunks 2) and batch copies (2) on a block of MoE layers (EP 2, TP 2)."""
     try:
         block, hidden, mask = _block(field, moe=True, micro_batch=2)
         off = _step(block, hidden, mask)
     except Exception:  # noqa: BLE001
         return {"megatron": traceback.format_exc(limit=6)}
-    return {"moe": _guarded(_wing_run, block, hidden, mask, off, {"moe_overlap": "1"}, "moe"),
+    linears = _guarded(_wing_run, block, hidden, mask, off, {"parallel_num": 2}, "linears")
+    if "collectives" in linears:  # chunked: more collectives than Megatron's (the attention's linears)
+        linears["ran"] = "chunked"
+    return {"moe": _guarded(_wing_run, block, hidden, mask, off, {"moe_overlap": "1"}, "moe"), "linears": linears,
             "multi_copy": _guarded(_wing_run, block, hidden, mask, off, {"multi_copy": 2}, "multi_copy")}
 
 
