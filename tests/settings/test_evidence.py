@@ -20,10 +20,8 @@ TOLERANCE = {"float32": 1e-4, "low": 3e-2}  # bf16 / autocast fields: one bf16 r
 LOW_PRECISION = {"bf16", "params_dtype", "enable_autocast", "fp16"}
 # Rows whose claim the generated test shows false, fixed on other branches (issue 51 items 1 and 2): the lead
 # removes an entry when its fix is merged (strict: an entry that passes fails, so it cannot be forgotten).
-KNOWN_FALSE = {
-    ("linears", "enable_autocast"): "issue 51 item 1: CoC's linears under Megatron's autocast (branch i51-autocast)",
-    ("multi_copy", "mlp_chunks_for_training"): "issue 51 item 2: MoE meetings once per chunk (branch i51-copies)",
-}
+# Rows the generated test found false, each fixed since (issue 51 items 1 and 2); a new one goes here, strict.
+KNOWN_FALSE: dict = {}
 
 # Differences found here and not yet told apart (harness or defect): reported to the lead, not a verdict.
 NOT_TOLD_APART = {
