@@ -41,8 +41,11 @@ AUTOCAST = supported(
     "enable_autocast", "autocast_dtype")
 
 RECOMPUTE = supported(
-    "recompute: the block's chunks recomputed as copies (multi_copy/recompute.py; what it cannot run exactly "
-    "is refused there or in multi_copy/moe.py)",
+    "recompute: the block's chunks recomputed as copies where its chunk recompute is one the copies read "
+    "(multi_copy/recompute.py BLOCK_CHUNKS: Megatron's, MindSpeed's TE one); another's (MindSpeed's "
+    "--recompute-method block's) recomputes one copy at a time in the backward, and an MoE block with the batch "
+    "aux_loss under it runs Megatron's, naming it (multi_copy/moe.py; tests/multi_copy/test_multi_copy.py); what "
+    "else cannot run exactly is refused there or in multi_copy/recompute.py",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "distribute_saved_activations",
     "recompute_modules", "num_microbatches_with_partial_activation_checkpoints", "moe_layer_recompute")
 

@@ -16,7 +16,8 @@ per copy so that, summed over the copies, they are Megatron's for the whole micr
     probabilities; the copies' losses sum to Megatron's and each one's gradient is Megatron's on its
     tokens. Under full recompute it is formed in the chunks' recompute, again as copies taking turns
     (recompute.py), where they meet alike; under Megatron's own recompute (selective ``moe``, one
-    copy at a time inside the backward) the block runs without copies, with the reason.
+    copy at a time inside the backward), or a full recompute whose chunk function the copies have not read
+    (:func:`_unread_recompute`, decided once per block), the block runs without copies, with the reason.
   - ``seq_aux_loss`` (a sum over whole sequences divided by the batch size): under a batch split each
     copy divides by the whole micro-batch's size; under a sequence split (copies hold parts of every
     sequence) the copies meet and combine each sequence's counts, as for the batch aux loss.
@@ -41,8 +42,8 @@ import weakref
 
 import torch
 
-from coc_inject import copy_context
-from coc_inject.multi_copy import scheduler
+from coc_inject import copy_context, mindspeed
+from coc_inject.multi_copy import recompute, scheduler
 from coc_inject.multi_copy.sequence import SEQUENCE
 
 ROUTER_MODULE = "megatron.core.transformer.moe.router"
@@ -50,6 +51,8 @@ AUX_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 _patched: dict = {}  # router module -> True once its losses are patched for copies (install)
 _combining = threading.local()  # .key: (loss, router) whose counts this copy's thread combines now
 _kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # router -> its block's split kind (forward)
+# A block recompute's chunk closure, after the recompute function's qualname, as recompute.BLOCK_CHUNKS names it.
+CHUNK_CLOSURE = ".<locals>.custom.<locals>.custom_forward"
 
 
 def moe_layers(block) -> list:
@@ -65,6 +68,14 @@ def _coeffs(router, config) -> dict:
     return {kind: getattr(config, "moe_aux_loss_coeff", 0.0) or 0.0}
 
 
+def _losses(layer) -> set:
+    """The routing losses with a coefficient that ``layer``'s router forms (of AUX_TYPES)."""
+    router = getattr(layer, "router", None)
+    if router is None:
+        return set()
+    return {kind for kind, coeff in _coeffs(router, layer.config).items() if coeff and coeff > 0}
+
+
 def _layer_reason(layer) -> str | None:
     config, router = layer.config, getattr(layer, "router", None)
     dispatcher = type(getattr(layer, "token_dispatcher", None)).__name__
@@ -78,7 +89,7 @@ def _layer_reason(layer) -> str | None:
     routing = routing if isinstance(routing, str) else ",".join(routing)
     if "sinkhorn" in routing or "quantile" in routing:
         return f"MoE layers with {routing} routing (balanced over the whole batch)"
-    losses = {kind for kind, coeff in _coeffs(router, config).items() if coeff and coeff > 0}
+    losses = _losses(layer)
     z_loss = getattr(config, "moe_z_loss_coeff", None) is not None
     if (losses or z_loss) and not _patched.get(type(router).__module__):
         return "MoE layers with routing losses on this megatron-core (its router forms them in one method; 0.16+)"
@@ -101,13 +112,49 @@ def _layer_reason(layer) -> str | None:
     return None
 
 
+def _chunk_recompute(block):
+    """The function the block's forward hands its full recompute to (the chunks of layers it checkpoints): the
+    block's ``_checkpointed_forward`` (megatron-core 0.12.1 to 0.16.1, MindSpeed's forward), or the module's
+    ``checkpointed_forward`` (0.19); None where the forward names neither."""
+    forward = inspect.unwrap(type(block).forward)  # under coc-inject's wrapper: Megatron's, or one read as it
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    if "_checkpointed_forward" in names:
+        bound = getattr(block, "_checkpointed_forward", None)
+        return getattr(bound, "__func__", bound)
+    if "checkpointed_forward" in names:
+        return getattr(forward, "__globals__", {}).get("checkpointed_forward")
+    return None
+
+
+def _unread_recompute(block, layers) -> str | None:
+    """The batch aux_loss under a full recompute whose chunks the copies do not recompute as copies: the
+    chunk's closure is not on recompute.BLOCK_CHUNKS (MindSpeed's --recompute-method block puts
+    mindspeed.core.memory.common's _checkpointed_forward on the block), so Megatron's checkpoint recomputes
+    it one copy at a time inside the copies' backward, where the copies cannot meet."""
+    if getattr(block.config, "recompute_granularity", None) != "full":
+        return None
+    function = _chunk_recompute(block)
+    if function is None:
+        return None
+    module, name = mindspeed.defined_in(function), getattr(function, "__qualname__", repr(function))
+    if (module, f"{name}{CHUNK_CLOSURE}") in recompute.BLOCK_CHUNKS:  # its chunks recompute as copies
+        return None
+    if not any("aux_loss" in _losses(layer) for layer in layers):
+        return None  # no meeting to hold: its chunks recompute one copy at a time, as before
+    return (f"MoE layers with the batch aux_loss under a full recompute the copies have not read ({module}.{name}: "
+            "its chunks are recomputed one copy at a time inside the backward, where the copies' token counts "
+            "cannot be combined)")
+
+
 _reasons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def block_reason(block) -> str | None:
     """Why a block's MoE layers cannot run as copies (None: they can, or it has none); once per block."""
     if block not in _reasons:
-        _reasons[block] = next(filter(None, map(_layer_reason, moe_layers(block))), None)
+        layers = moe_layers(block)
+        _reasons[block] = (next(filter(None, map(_layer_reason, layers)), None)
+                           or (_unread_recompute(block, layers) if layers else None))
     return _reasons[block]
 
 
@@ -283,11 +330,20 @@ def routers_as_found(block):
 
 
 def _tracker_values() -> list:
-    """Megatron's logged aux losses, one tensor per name (0.19's metrics tracker; 0.16's dict)."""
+    """Megatron's logged aux losses, one tensor per name (0.19's metrics tracker; 0.12 to 0.16's dict)."""
     from megatron.core.transformer.moe import moe_utils
 
     if hasattr(moe_utils, "get_moe_metrics_tracker"):
         entries = [entry.values for entry in moe_utils.get_moe_metrics_tracker().metrics.values()]
     else:
-        entries = [entry.get("values") for entry in moe_utils.get_moe_layer_wise_logging_tracker().values()]
+        entries = [entry.get("values") for entry in layer_wise_tracker().values()]
     return [values for values in entries if isinstance(values, torch.Tensor)]
+
+
+def layer_wise_tracker() -> dict:
+    """Megatron's dict of logged aux losses before 0.19: moe_utils' (0.13 to 0.16) or parallel_state's (0.12)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    return getattr(moe_utils, "get_moe_layer_wise_logging_tracker",
+                   getattr(parallel_state, "get_moe_layer_wise_logging_tracker", dict))()

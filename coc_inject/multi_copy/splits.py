@@ -37,7 +37,8 @@ WITHOUT_COPIES = ("a micro-batch not divisible by the copies whose sequence cann
                   "see a later one, another attention)",
                   "dropout > 0",
                   "MoE layers with global_aux_loss, a capacity factor, sinkhorn routing, the batch aux_loss under "
-                  "Megatron's MoE recompute or a padding mask", "packed sequences",
+                  "Megatron's MoE recompute or a block recompute the copies have not read, or a padding mask",
+                  "packed sequences",
                   "selective recompute of mlp, layernorm, moe_act, mla_up_proj",
                   "inference", "fp8 / fp4", "CPU offloading", "CUDA graphs",
                   "a setting the allow-list refuses or does not classify (docs/settings-allowlist.md)",

@@ -179,3 +179,35 @@ def ripipe_checkpoint(applied: Applied) -> None:
     """--recompute-in-advance (ripipe): tensor_parallel.random.checkpoint wrapped."""
     applied.apply("megatron.core.tensor_parallel.random.checkpoint",
                   wrapper(f"{_TP}.random", "checkpoint_wrapper"))
+
+
+TE_CHECKPOINT, MEMORY_COMMON = "mindspeed.te.pytorch.module.checkpoint", "mindspeed.core.memory.common"
+
+
+def _restated(original, module_name: str, name: str):
+    """``original`` (Megatron's block recompute) restated as MindSpeed's function ``module_name.name``: the same
+    source, run in a copy of its globals named as MindSpeed's module (its chunk closure's module and qualname
+    are MindSpeed's), so that it runs Megatron's chunks exactly on every megatron-core."""
+    import inspect
+    import textwrap
+
+    source = textwrap.dedent(inspect.getsource(original))
+    source = source.replace(f"def {original.__name__}(", f"def {name}(", 1)
+    namespace = dict(original.__globals__, __name__=module_name)
+    exec(compile(source, f"<{module_name}>", "exec"), namespace)
+    return namespace[name]
+
+
+def block_recompute(applied: Applied, module_name: str = MEMORY_COMMON) -> None:
+    """The block's full recompute replaced by MindSpeed's ``module_name.transformer_block_checkpointed_forward``:
+    ``mindspeed.core.memory.common``'s under ``--recompute-method block``
+    (mindspeed/features_manager/recompute/recompute_method.py registers it on
+    TransformerBlock._checkpointed_forward; multi-copy has not read it), or ``mindspeed.te.pytorch.module.checkpoint``'s
+    (TransformerEngineBasicFeature; read: recompute.BLOCK_CHUNKS). Either restated from Megatron's own
+    (:func:`_restated`) so that the MoE GPT of every megatron-core runs it; on 0.19, which moved the block's
+    recompute to megatron.core.recompute.checkpointed_forward, that function is the one replaced."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    path = (f"{BLOCK}._checkpointed_forward" if "_checkpointed_forward" in vars(TransformerBlock)
+            else "megatron.core.recompute.checkpointed_forward")
+    applied.apply(path, lambda original: _restated(original, module_name, "transformer_block_checkpointed_forward"))

@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from coc_inject import job
 from coc_inject.config import AUTO, CocConfig
-from coc_inject.multi_copy import collectives as copies_collectives
+from coc_inject.multi_copy import collectives as copies_collectives, moe as copies_moe
 from coc_inject.multi_copy.forward import last_route
 from tests.moe import moe_cases
-from tests.fakes import recompute_rng
+from tests.fakes import mindspeed_patches, recompute_rng
 from tests.multi_copy.multi_copy_cases import CollectiveRecorder, autograd_on_one_thread
 
 # Each routing-loss type as a TransformerConfig's settings.
@@ -75,8 +75,8 @@ def _tracker() -> dict:
 
     if hasattr(moe_utils, "get_moe_metrics_tracker"):  # 0.19
         entries = {name: entry.values for name, entry in moe_utils.get_moe_metrics_tracker().metrics.items()}
-    else:  # 0.16
-        entries = {name: entry["values"] for name, entry in moe_utils.get_moe_layer_wise_logging_tracker().items()}
+    else:  # 0.12 to 0.16
+        entries = {name: entry["values"] for name, entry in copies_moe.layer_wise_tracker().items()}
     values = {name: value.detach().clone() for name, value in entries.items()}
     for value in entries.values():
         value.zero_()
@@ -88,14 +88,15 @@ def _forget_tracker() -> None:
 
     if hasattr(moe_utils, "get_moe_metrics_tracker"):  # 0.19
         moe_utils.get_moe_metrics_tracker().metrics.clear()
-    else:  # 0.16
-        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    else:  # 0.12 to 0.16
+        copies_moe.layer_wise_tracker().clear()
 
 
 def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, vocab=64, record=False,
-          poison=False, per_copy_losses=False, adam=False, decisions=False, **model):
+          poison=False, per_copy_losses=False, adam=False, decisions=False, mindspeed_recompute=None, **model):
     """``per_copy_losses``: each copy forms its routing losses as Megatron does for one batch (the
-    product's combination switched off: what the tests must catch)."""
+    product's combination switched off: what the tests must catch). ``mindspeed_recompute``: the module of
+    MindSpeed's whose block recompute replaces Megatron's (tests/fakes/mindspeed_patches.block_recompute)."""
     from megatron.core import parallel_state
     from megatron.core.distributed.finalize_model_grads import _update_router_expert_bias
     from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -121,6 +122,10 @@ def train(copies=2, moe_overlap="0", routing="aux_loss", steps=3, b=4, seq=16, v
         if recorder is not None:
             inside.enter_context(recorder)
         inside.callback(job.uninstall)
+        if mindspeed_recompute is not None:
+            applied = mindspeed_patches.Applied()
+            inside.callback(applied.undo)
+            mindspeed_patches.block_recompute(applied, mindspeed_recompute)
         for step in range(steps):
             generator = torch.Generator().manual_seed(100 * step + parallel_state.get_data_parallel_rank())
             tokens = torch.randint(vocab, (b, seq + 1), generator=generator)

@@ -314,6 +314,71 @@ def test_any_other_replacement_of_the_block_forward_steps_aside_naming_it(pool):
         assert g["taken_over"]["TransformerBlock.forward"]["ours_still_runs"] is False, g["taken_over"]
 
 
+def test_an_unread_block_recompute_with_the_batch_aux_loss_steps_aside_naming_it(pool):
+    """Issue 51: MindSpeed's --recompute-method block puts its own _checkpointed_forward on the block
+    (tests/fakes/mindspeed_patches.block_recompute: mindspeed.core.memory.common's, restated from Megatron's). Its
+    chunks are not recomputed as copies, so an MoE block with the batch aux_loss under full recompute would form
+    the loss one copy at a time inside the backward, where the copies cannot meet (it stopped there with "aux_loss
+    was formed where the copies cannot meet"). It steps aside at its first call naming the function and the
+    aux_loss, and trains as without copies; the same code under the name of MindSpeed's read recompute
+    (mindspeed.te.pytorch.module.checkpoint's) runs 2 copies, as without copies; without a meeting to hold (the
+    expert bias alone) the unread one still runs copies. (On megatron-core 0.12 to 0.15
+    the router forms its losses in one method: such blocks step aside for that, whatever the recompute.)"""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    case, unread, read = "tests.multi_copy.moe_copies_cases:train", "mindspeed.core.memory.common", \
+        "mindspeed.te.pytorch.module.checkpoint"
+    model = dict(routing="aux_loss", steps=1, layers=1, recompute_granularity="full", recompute_method="uniform",
+                 recompute_num_layers=1)
+    want = pool.run(case, copies=1, mindspeed_recompute=unread, **model)
+    got = {module: pool.run(case, copies=2, mindspeed_recompute=module, **model) for module in (unread, read)}
+    losses_apart = hasattr(TopKRouter, "_apply_aux_loss")  # megatron-core 0.16+
+    for g in got[unread]:
+        (copies, reason), = g["blocks"]
+        assert copies == 1, g["blocks"]
+        if losses_apart:
+            assert f"{unread}.transformer_block_checkpointed_forward" in reason and "aux_loss" in reason, reason
+        else:
+            assert "routing losses on this megatron-core" in reason, reason
+    for g in got[read]:
+        assert g["blocks"] == [(2, None) if losses_apart else (1, got[unread][0]["blocks"][0][1])], g["blocks"]
+    # no meeting to hold (the expert bias sums the copies' counts): the copies run under it as before
+    assert all(g["blocks"] == [(2, None)] for g in pool.run(case, copies=2, mindspeed_recompute=unread,
+                                                            **dict(model, routing="expert_bias")))
+    for module, results in got.items():
+        for g, w in zip(results, want):
+            assert abs(g["losses"][0] - w["losses"][0]) <= 1e-5 * abs(w["losses"][0]), module
+            for name, value in w["params"].items():
+                assert (g["params"][name] - value).abs().max() <= 1e-5 * max(value.abs().max(), 1e-6), (module, name)
+
+
+def test_auto_trials_leave_megatrons_logged_aux_losses_as_found_on_every_release():
+    """COC_MULTI_COPY=auto's trials of an MoE block put Megatron's logged aux losses back as found
+    (multi_copy/moe.routers_as_found); megatron-core 0.12 keeps them in parallel_state, not moe_utils (it raised
+    AttributeError there)."""
+    import types
+
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    from coc_inject.multi_copy import moe as copies_moe
+
+    if hasattr(moe_utils, "get_moe_metrics_tracker"):  # 0.19
+        tracker, values = moe_utils.get_moe_metrics_tracker().metrics, lambda entry: entry.values
+    else:  # 0.13 to 0.16: moe_utils' dict; 0.12: parallel_state's
+        tracker = getattr(moe_utils, "get_moe_layer_wise_logging_tracker",
+                          getattr(parallel_state, "get_moe_layer_wise_logging_tracker", None))()
+        values = lambda entry: entry["values"]  # noqa: E731
+    moe_utils.save_to_aux_losses_tracker("coc_test_loss", torch.tensor(2.0), 1, 1)
+    try:
+        with copies_moe.routers_as_found(types.SimpleNamespace(layers=[])):
+            moe_utils.save_to_aux_losses_tracker("coc_test_loss", torch.tensor(3.0), 1, 1)
+        assert values(tracker["coc_test_loss"]).tolist() == [2.0]
+    finally:
+        tracker.pop("coc_test_loss", None)
+
+
 @newest_only
 def test_a_torch_whose_autograd_fails_installs_check_runs_megatrons_block_with_the_reason(pool):
     got = pool.run("tests.multi_copy.block_cases:block_call", copies=2, broken_autograd=True)
