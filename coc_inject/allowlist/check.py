@@ -10,6 +10,7 @@ The checks are compiled once per config class and wing: a call reads only the ro
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from coc_inject.allowlist import common, context_parallel, linears, moe, multi_copy
 from coc_inject.allowlist.rows import IRRELEVANT, REFUSED, SUPPORTED, off
@@ -62,6 +63,30 @@ def refusal(config, wing: str, **context) -> str | None:
             return f"{shown} is not classified for {spec.label}: {spec.fallback}"
         return f"{shown} is refused by {spec.label}: {row.why}"
     return None
+
+
+# What rows' predicates read of ``context["config"]`` beyond their own field (rows.moe_only).
+READ_BY_PREDICATES = ("num_moe_experts",)
+_readers: dict = {}  # (config class, wing) -> reads()
+
+
+def reads(cls, wing: str):
+    """``config -> tuple``: the values :func:`refusal` reads of a ``cls`` config for ``wing`` (the fields that can
+    refuse, and what the predicates read), one C call: a verdict cached on a layer (coc_inject.verdicts) is keyed
+    by them, so a later change of any of them decides afresh."""
+    key = (cls, wing)
+    reader = _readers.get(key)
+    if reader is None:
+        names = tuple(name for name, _, _ in _checks(cls, WINGS[wing]))
+        names += tuple(name for name in READ_BY_PREDICATES if name not in names)
+        fields = {field.name for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        if names and set(names) <= fields:
+            getter = operator.attrgetter(*names)
+            reader = getter if len(names) > 1 else (lambda config: (getter(config),))
+        else:  # a stand-in config: a field may be absent
+            reader = lambda config: tuple(getattr(config, name, _MISSING) for name in names)  # noqa: E731
+        _readers[key] = reader
+    return reader
 
 
 def _checks(cls, spec: Wing) -> tuple:

@@ -15,7 +15,17 @@ from typing import Callable
 import torch
 
 from coc_inject.config import CocConfig
-from coc_inject.linears.guards import NO_GROUP, column_guards, group_argument, row_guards, tp_group
+from coc_inject.linears.guards import (
+    NO_GROUP,
+    column_call_guards,
+    column_guards,
+    column_layer_guards,
+    group_argument,
+    row_call_guards,
+    row_guards,
+    row_layer_guards,
+    tp_group,
+)
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
     FusedAllGatherMatmul,
@@ -99,6 +109,12 @@ class RowAdapter:
     def guard(self, layer, input_, args, kwargs):
         return row_guards(layer, input_, args, kwargs)
 
+    def layer_guard(self, layer):
+        return row_layer_guards(layer)
+
+    def call_guard(self, layer, input_, args, kwargs):
+        return row_call_guards(layer, input_, args, kwargs)
+
     def call(self, original, layer, input_, args, kwargs) -> LinearCall:
         from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 
@@ -152,6 +168,13 @@ class ColumnAdapter:
         weight, _, rest, rest_kwargs = _column_arguments(*args, **kwargs)
         # The caller's ``weight`` argument is passed on unchanged when the guard says Megatron's path.
         return column_guards(self.config, layer, input_, weight, rest, rest_kwargs)
+
+    def layer_guard(self, layer):
+        return column_layer_guards(self.config, layer)
+
+    def call_guard(self, layer, input_, args, kwargs):
+        weight, _, rest, rest_kwargs = _column_arguments(*args, **kwargs)
+        return column_call_guards(layer, input_, weight, rest, rest_kwargs)
 
     def call(self, original, layer, input_, args, kwargs) -> LinearCall:
         weight, runtime_gather_output, _, _ = _column_arguments(*args, **kwargs)

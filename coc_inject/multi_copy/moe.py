@@ -101,14 +101,10 @@ def _layer_reason(layer) -> str | None:
     return None
 
 
-_reasons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def block_reason(block) -> str | None:
-    """Why a block's MoE layers cannot run as copies (None: they can, or it has none); once per block."""
-    if block not in _reasons:
-        _reasons[block] = next(filter(None, map(_layer_reason, moe_layers(block))), None)
-    return _reasons[block]
+    """Why a block's MoE layers cannot run as copies (None: they can, or it has none); part of the block's
+    verdict (forward.MultiCopy.decide: kept on the block, dropped by uninstall)."""
+    return next(filter(None, map(_layer_reason, moe_layers(block))), None)
 
 
 def call_reason(block, arguments: dict) -> str | None:
