@@ -142,9 +142,11 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
         verdict = self.__dict__.get(VERDICT)
         if verdict is None or not verdict.holds(installation, self.__dict__.get("config"), _groups(self)):
             verdict = _decide(installation, self, taken)
-        reason = verdict.value
-        if reason is not None:  # every call of this layer: Megatron's dispatcher, said at its first
-            _count(installation, self, None, reason)
+        route = verdict.value
+        if route is not None:  # every call of this layer: Megatron's dispatcher, said at the decision
+            self.__dict__["_coc_moe"] = route  # as _count keeps it (a plain value: no Module.__setattr__)
+            if installation.coverage is not None:
+                installation.coverage.count(self, route, None, _no_shape)
             return original(self, hidden_states, *args, **kwargs)
         reason = guards.call_reason(self)
         if reason is None and deciding and not copy_context.experts_in_pieces():
@@ -177,16 +179,19 @@ def _groups(layer):
 
 
 def _decide(installation, layer, taken=None) -> verdicts.Verdict:
-    """guards.layer_reason (its construction and config, not its input), kept on the layer keyed by what it
-    read; and where the pieces run in the experts' forward, whether this job took over that of the layer's
+    """guards.layer_reason (its construction and config, not its input) as the route every call of the layer
+    takes (None: each call decides), kept on the layer keyed by what it read; and where the pieces run in the experts' forward, whether this job took over that of the layer's
     experts class."""
     reason = guards.layer_reason(layer)
     if reason is None and taken is not None and not isinstance(layer.experts, tuple(taken)):
         reason = (f"{type(layer.experts).__name__} experts: this megatron-core's stages run the pieces in "
                   f"the experts' forward, taken over here for {' / '.join(c.__name__ for c in taken)} only")
+    if reason is not None:
+        log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")
     config = layer.__dict__.get("config")
     read = check.reads(type(config), check.MOE) if config is not None else verdicts.nothing
-    return verdicts.remember(installation, layer, VERDICT, config, read, _groups(layer), reason)
+    route = None if reason is None else MoERoute(0, 0, reason)  # counted at every call of the layer
+    return verdicts.remember(installation, layer, VERDICT, config, read, _groups(layer), route)
 
 
 def _count(installation, layer, call, reason) -> None:
@@ -196,7 +201,7 @@ def _count(installation, layer, call, reason) -> None:
         route = MoERoute(0, 0, reason)
     else:
         route = MoERoute(piece_count(layer, call.chunks), call.chunks)
-    layer._coc_moe = route  # this layer's last route (tests, selftest, a user poking at the model)
+    layer.__dict__["_coc_moe"] = route  # its last route (tests, selftest, a user poking at the model)
     if reason is not None and reason not in (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_DISPATCHER):
         log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")
     if installation.coverage is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import operator
 import weakref
 
 from coc_inject import job, log, verdicts
@@ -103,8 +102,7 @@ def wrap(original, multi_copy: MultiCopy):
         verdict = self.__dict__.get(VERDICT)
         if verdict is not None and verdict.value[1] is not None \
                 and verdict.holds(installation, self.__dict__.get("config"), self.training):
-            route = verdict.value[1]  # every call of this block: Megatron's, said at its first
-            _last_routes[self] = route
+            route = verdict.value[1]  # every call: Megatron's block, said (and kept in _last_routes) at its first
             if installation.coverage is not None:
                 installation.coverage.count(self, route, None, _no_shape)
             return original(self, *args, **kwargs)
@@ -177,14 +175,12 @@ _block_readers: dict = {}  # config class -> config -> (allow-list values, BLOCK
 
 
 def _block_reads(cls):
-    reader = _block_readers.get(cls)
-    if reader is None:
-        rows = check.reads(cls, check.MULTI_COPY)
+    """``config -> tuple`` of what the block's verdict reads: multi-copy's allow-list and BLOCK_READS, one C call."""
+    found = _block_readers.get(cls)
+    if found is None:
+        names = check.read_names(cls, check.MULTI_COPY)
+        names += tuple(name for name in BLOCK_READS if name not in names)
         fields = {field.name for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        present = operator.attrgetter(*[name for name in BLOCK_READS if name in fields] or ["__class__"])
-
-        def reader(config):  # a stand-in config's absent fields read as None by the guards: nothing to key
-            return rows(config), present(config)
-
-        _block_readers[cls] = reader
-    return reader
+        # Absent from this release's (or a stand-in's) config: the guards read such a field as None.
+        found = _block_readers[cls] = check.reader(cls, tuple(name for name in names if name in fields) or names)
+    return found
