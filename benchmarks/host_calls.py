@@ -159,10 +159,10 @@ def main(argv=None) -> int:
     torch.cuda.current_device = lambda: torch.device("cpu")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as tp_random
+    from coc_inject.testbed.models import fresh_rng_tracker
 
     parallel_state.initialize_model_parallel(1, 1)
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    fresh_rng_tracker()
     rows = {}
     try:
         with torch.no_grad():

@@ -74,12 +74,12 @@ def moe_verdict_follows_its_config() -> dict:
 def _gpt(layers: int = 2, hidden: int = 32, seq: int = 16, vocab: int = 64):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from coc_inject.testbed.cpu import CpuLayerNorm
+    from coc_inject.testbed.models import fresh_rng_tracker
 
-    tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    fresh_rng_tracker()
     torch.manual_seed(0)
     spec = get_gpt_layer_local_spec()
     spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
