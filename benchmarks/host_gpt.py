@@ -83,8 +83,11 @@ def train(args) -> dict:
     if device.type == "cpu":  # apex's FusedLayerNorm is CUDA's: the test bed's CPU norm with SP's flags
         from coc_inject.testbed.cpu import CpuLayerNorm
 
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
         spec.submodules.input_layernorm = CpuLayerNorm
         spec.submodules.pre_mlp_layernorm = CpuLayerNorm
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * args.layers, layer_norm=CpuLayerNorm)
     config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                                ffn_hidden_size=4 * args.hidden, bf16=dtype == torch.bfloat16, params_dtype=dtype,
                                hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=False,

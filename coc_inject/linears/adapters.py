@@ -91,10 +91,7 @@ class LinearCall:
     fused_op: str | None  # the op a fused kernel would run; None: this forward has no communication to fuse
     run_coc: Callable  # (input, chunk count or FusedKernel) -> the forward's (output, bias): CoC's path
     run_megatron: Callable  # (input) -> the forward's (output, bias): Megatron's path (the tuner's trials)
-
-    @property
-    def group(self):
-        return tp_group(self.layer)
+    group: object = None  # the layer's tensor-parallel group (guards.tp_group), read once per call
 
 
 class RowAdapter:
@@ -128,7 +125,7 @@ class RowAdapter:
             layer, LayerCase.of(row=True, sequence_parallel=sequence_parallel), row_shape(layer, input_),
             input_parallel, input_, layer.weight, rows,
             "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce",
-            lambda x, kernel: self._forward(layer, x, kernel), lambda x: original(layer, x))
+            lambda x, kernel: self._forward(layer, x, kernel), lambda x: original(layer, x), group)
 
     def _forward(self, layer, input_parallel, kernel):
         output = self._output(layer, input_parallel, kernel, tp_group(layer))
@@ -184,7 +181,7 @@ class ColumnAdapter:
             layer, LayerCase.of(row=False, sequence_parallel=sequence_parallel), column_shape(layer, input_),
             input_, input_, matrix, _rows(input_), "all_gather_matmul" if sequence_parallel else None,
             lambda x, kernel: self._finish(layer, self._output(layer, x, matrix, kernel), runtime_gather_output),
-            lambda x: original(layer, x, weight, runtime_gather_output))
+            lambda x: original(layer, x, weight, runtime_gather_output), tp_group(layer))
 
     def _output(self, layer, input_, matrix, kernel):
         group = tp_group(layer)
