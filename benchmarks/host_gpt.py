@@ -119,8 +119,6 @@ def train(args) -> dict:
         return loss
 
     losses, times = _steps(args, step, args.steps)
-    if os.environ.get("HOST_GPT_PROFILE"):
-        _steps(args, step, args.steps)
     result = {"losses": losses, "step_times": times}
     if args.calls:  # Python calls per step: a long window minus a short one (cProfile's every call)
         counted = []
