@@ -55,7 +55,7 @@ AGREEMENT_OLDEST := 'tests/settings/test_wing_agreement.py::test_pieces_auto_bes
 LINK ?= 1gbit
 ROUNDS ?= 3
 
-.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-older test-oldest bench bench-link bench-startup bench-accounting bench-measure bench-trials bench-cp-memory bench-attention bench-attention-link bench-flash device-check clean
+.PHONY: demo demo-link demo-cp demo-copies demo-moe test test-newest test-middle test-older test-oldest bench bench-link bench-startup bench-accounting bench-measure bench-trials bench-cp-memory bench-attention bench-attention-link bench-flash bench-host device-check clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/python examples/demo.py
@@ -122,6 +122,17 @@ bench-trials: $(VENV)/.installed
 # vs scaled_dot_product_attention in one process (seq 4096, 8192; fp32, bf16), peak memory growth.
 bench-flash: $(VENV)/.installed
 	$(VENV)/bin/python -m coc_inject.bench.cases.flash --out benchmarks/results/flash
+
+# What coc-inject costs the host (issue 52): per wrapped call whose wing steps aside (CPU time beyond Megatron's
+# call, the wrapper alone, Python calls added), then the GPT training step's Python calls per step and first /
+# steady step times, off vs each wing on auto and every wing auto, at TP 1 and TP 2 (benchmarks/results/host).
+HOST_GPT := --device cpu --calls --layers 8 --hidden 64 --seq 64 --heads 4 --vocab 512 --steps 20 --rounds 2 \
+	--variants "linears auto,copies auto,moe auto,cp auto,every wing auto"
+bench-host: $(VENV)/.installed
+	mkdir -p benchmarks/results/host
+	$(VENV)/bin/python benchmarks/host_calls.py --json benchmarks/results/host/calls.json
+	$(VENV)/bin/python benchmarks/host_gpt.py $(HOST_GPT) --json benchmarks/results/host/gpt-tp1.json
+	$(VENV)/bin/python benchmarks/host_gpt.py $(HOST_GPT) --tp 2 --variants "linears auto,copies auto,every wing auto" --json benchmarks/results/host/gpt-tp2.json
 
 bench-cp-memory: $(VENV)/.installed
 	$(VENV)/bin/python benchmarks/cp_memory.py

@@ -3,6 +3,8 @@
 # minutes, not hours). ROUND=wgrad: #44 item 6's weight gradient (benchmarks/wgrad_device.py).
 # ROUND=cp4: the context-parallel cases at 2 and 4 ranks, then the other wings at 4. ROUND=flash:
 # COC_FLASH_ATTN=1 on a GPT training step against Megatron's local attention (benchmarks/flash_gpt_device.py).
+# ROUND=host: the launch-bound GPT step (8 layers, hidden 1024, seq 1024, bf16, world size 1) off (no bootstrap)
+# vs every wing auto, 3 rounds interleaved: first and steady step times, losses (benchmarks/host_gpt.py, #52).
 # ROUND=ranks (default): which collectives gloo moves as CUDA tensors, then the self-test's
 # multi-rank cases on real kernels with 2 (then 4) ranks sharing the GPU over gloo
 # (COC_SELFTEST_DEVICE=cuda-gloo), one wing per run so that one abort loses one wing, then the
@@ -43,6 +45,11 @@ fi
 if [ "${ROUND:-ranks}" = flash ]; then  # COC_FLASH_ATTN=1 on a whole GPT step against Megatron's local attention
     step 240 python3 benchmarks/flash_gpt_device.py --shapes 2048x1024,4096x1024,8192x1024 --batch 1 --rounds 2 \
         --steps 6 --json "$OUT/flash-gpt.json"
+    exit $failed
+fi
+if [ "${ROUND:-ranks}" = host ]; then  # what the wings cost the host where none has anything to do (issue 52)
+    step 150 python3 benchmarks/host_gpt.py --device cuda --layers 8 --hidden 1024 --seq 1024 --batch 1 --rounds 3 \
+        --steps 10 --json "$OUT/host-gpt.json"
     exit $failed
 fi
 if [ "${ROUND:-ranks}" = cp4 ]; then  # the ring-family CP cases (sends staged via host), then the wings at 4 ranks

@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 
-from coc_inject import log, megatron_version, mindspeed
+from coc_inject import log, megatron_version, mindspeed, verdicts
 from coc_inject.coverage import Coverage
 from coc_inject.patches import Patches, describe
 from coc_inject.pipeline import agreement
@@ -104,6 +104,7 @@ class Installation:
         self.coverage = None  # made by the first hook that counts calls, armed once
         self.exposure = None  # the meter (coc_inject.measure), with COC_MEASURE or COC_TRACE
         self.undo: list = []  # what else uninstall() calls (the meter's hooks), last first
+        self.verdict_owners: dict = {}  # verdicts.remember's: name -> the layers / blocks it cached a verdict on
 
     def armed_coverage(self) -> Coverage:
         if self.coverage is None:
@@ -136,6 +137,7 @@ class Installation:
                                "in place (putting Megatron's original back would take that patch away)"
                                + ("; coc-inject's wrapper inside it stays" if ours_still_runs else ""))
         self.patched_forwards.clear()
+        verdicts.drop(self.verdict_owners)  # decided for this installation: a re-install decides afresh
         if self.coverage is not None:
             self.coverage.disarm()
 

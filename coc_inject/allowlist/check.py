@@ -12,6 +12,7 @@ The checks are compiled once per config class and wing: a call reads only the ro
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 from coc_inject.allowlist import common, context_parallel, linears, moe, multi_copy, subclasses
 from coc_inject.allowlist.rows import IRRELEVANT, REFUSED, SUPPORTED, off
@@ -68,6 +69,39 @@ def refusal(config, wing: str, **context) -> str | None:
             return f"{shown} is not classified for {spec.label}: {spec.fallback}"
         return f"{shown} is refused by {spec.label}: {row.why}"
     return None
+
+
+# What rows' predicates read of ``context["config"]`` beyond their own field (rows.moe_only).
+READ_BY_PREDICATES = ("num_moe_experts",)
+_readers: dict = {}  # (config class, wing) -> reads()
+
+
+def read_names(cls, wing: str) -> tuple:
+    """The fields :func:`refusal` reads of a ``cls`` config for ``wing``: those that can refuse, and what the
+    rows' predicates read."""
+    names = tuple(name for name, _, _ in _checks(cls, WINGS[wing]))
+    return names + tuple(name for name in READ_BY_PREDICATES if name not in names)
+
+
+def reader(cls, names: tuple):
+    """``config -> tuple`` of ``names``' values: one C call (``operator.attrgetter``) where ``cls`` is a
+    dataclass defining them all; a stand-in config's absent field reads as a marker."""
+    fields = {field.name for field in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    if names and set(names) <= fields:
+        getter = operator.attrgetter(*names)
+        return getter if len(names) > 1 else (lambda config: (getter(config),))
+    return lambda config: tuple(getattr(config, name, _MISSING) for name in names)
+
+
+def reads(cls, wing: str):
+    """``config -> tuple``: the values :func:`refusal` reads of a ``cls`` config for ``wing`` (read_names), one
+    C call: a verdict cached on a layer (coc_inject.verdicts) is keyed by them, so a later change of any of
+    them decides afresh."""
+    key = (cls, wing)
+    found = _readers.get(key)
+    if found is None:
+        found = _readers[key] = reader(cls, read_names(cls, wing))
+    return found
 
 
 def _checks(cls, spec: Wing) -> tuple:

@@ -76,14 +76,14 @@ def wrap_forward(installation, original_forward):
     @functools.wraps(original_forward)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        plan = getattr(self, "_coc_cp", None)
+        plan = self.__dict__.get("_coc_cp")  # decided at construction; a plain read (no Module.__getattr__)
+        if plan is None:  # Megatron's layer: its forward at once
+            return original_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                    attention_bias=attention_bias, packed_seq_params=packed_seq_params)
 
         def megatron_forward():
             return original_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                     attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-
-        if plan is None:
-            return megatron_forward()
         try:
             if torch.is_autocast_enabled(query.device.type):
                 raise attention.ContextParallelError(AUTOCAST)

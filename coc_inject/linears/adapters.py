@@ -15,7 +15,17 @@ from typing import Callable
 import torch
 
 from coc_inject.config import CocConfig
-from coc_inject.linears.guards import NO_GROUP, column_guards, group_argument, row_guards, tp_group
+from coc_inject.linears.guards import (
+    NO_GROUP,
+    column_call_guards,
+    column_guards,
+    column_layer_guards,
+    group_argument,
+    row_call_guards,
+    row_guards,
+    row_layer_guards,
+    tp_group,
+)
 from coc_inject.pipeline.functions import (
     AllGatherMatmul,
     FusedAllGatherMatmul,
@@ -81,10 +91,7 @@ class LinearCall:
     fused_op: str | None  # the op a fused kernel would run; None: this forward has no communication to fuse
     run_coc: Callable  # (input, chunk count or FusedKernel) -> the forward's (output, bias): CoC's path
     run_megatron: Callable  # (input) -> the forward's (output, bias): Megatron's path (the tuner's trials)
-
-    @property
-    def group(self):
-        return tp_group(self.layer)
+    group: object = None  # the layer's tensor-parallel group (guards.tp_group), read once per call
 
 
 class RowAdapter:
@@ -99,6 +106,12 @@ class RowAdapter:
     def guard(self, layer, input_, args, kwargs):
         return row_guards(layer, input_, args, kwargs)
 
+    def layer_guard(self, layer):
+        return row_layer_guards(layer)
+
+    def call_guard(self, layer, input_, args, kwargs):
+        return row_call_guards(layer, input_, args, kwargs)
+
     def call(self, original, layer, input_, args, kwargs) -> LinearCall:
         from megatron.core.tensor_parallel.mappings import scatter_to_tensor_model_parallel_region
 
@@ -112,7 +125,7 @@ class RowAdapter:
             layer, LayerCase.of(row=True, sequence_parallel=sequence_parallel), row_shape(layer, input_),
             input_parallel, input_, layer.weight, rows,
             "matmul_reduce_scatter" if sequence_parallel else "matmul_all_reduce",
-            lambda x, kernel: self._forward(layer, x, kernel), lambda x: original(layer, x))
+            lambda x, kernel: self._forward(layer, x, kernel), lambda x: original(layer, x), group)
 
     def _forward(self, layer, input_parallel, kernel):
         output = self._output(layer, input_parallel, kernel, tp_group(layer))
@@ -153,6 +166,13 @@ class ColumnAdapter:
         # The caller's ``weight`` argument is passed on unchanged when the guard says Megatron's path.
         return column_guards(self.config, layer, input_, weight, rest, rest_kwargs)
 
+    def layer_guard(self, layer):
+        return column_layer_guards(self.config, layer)
+
+    def call_guard(self, layer, input_, args, kwargs):
+        weight, _, rest, rest_kwargs = _column_arguments(*args, **kwargs)
+        return column_call_guards(layer, input_, weight, rest, rest_kwargs)
+
     def call(self, original, layer, input_, args, kwargs) -> LinearCall:
         weight, runtime_gather_output, _, _ = _column_arguments(*args, **kwargs)
         matrix = layer.weight if weight is None else weight
@@ -161,7 +181,7 @@ class ColumnAdapter:
             layer, LayerCase.of(row=False, sequence_parallel=sequence_parallel), column_shape(layer, input_),
             input_, input_, matrix, _rows(input_), "all_gather_matmul" if sequence_parallel else None,
             lambda x, kernel: self._finish(layer, self._output(layer, x, matrix, kernel), runtime_gather_output),
-            lambda x: original(layer, x, weight, runtime_gather_output))
+            lambda x: original(layer, x, weight, runtime_gather_output), tp_group(layer))
 
     def _output(self, layer, input_, matrix, kernel):
         group = tp_group(layer)

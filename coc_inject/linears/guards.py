@@ -117,13 +117,18 @@ def _weight_fallback(layer, weight, expected: tuple) -> MegatronPath | None:
     return None
 
 
-def _common_fallback(layer, input_: torch.Tensor) -> MegatronPath | None:
+def _layer_fallback(layer) -> MegatronPath | None:
+    """What of the layer's construction sends every call to Megatron's path (decided once per layer)."""
     group = tp_group(layer)
     tp_size = group.size() if group is not None else 1
     if tp_size <= 1:
         return TP_SIZE_1
     if getattr(layer, "explicit_expert_comm", False):
         return EXPERT_LAYER
+    return None
+
+
+def _call_fallback(layer, input_: torch.Tensor) -> MegatronPath | None:
     offload = getattr(layer.config, "_cpu_offloading_context", None)
     if offload is not None and getattr(offload, "inside_context", False):
         return CPU_OFFLOADING
@@ -132,28 +137,42 @@ def _common_fallback(layer, input_: torch.Tensor) -> MegatronPath | None:
     return None
 
 
-def row_guards(layer, input_, args, kwargs) -> MegatronPath | None:
-    """Why a RowParallelLinear call must take Megatron's path, or None."""
-    if args or kwargs:
-        return UNKNOWN_ARGUMENTS
-    path = _missing(layer, ROW_READS) or _refused(layer, "row") or _common_fallback(layer, input_) or _weight_fallback(
-        layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
-    if path is None and layer.sequence_parallel and input_.shape[0] % tp_group(layer).size():
-        path = MegatronPath(f"sequence length {input_.shape[0]} is not divisible by TP")
-    return path
+def row_layer_guards(layer) -> MegatronPath | None:
+    """Why every call of this RowParallelLinear takes Megatron's path, whatever its input (None: it may
+    not): its construction, config and group (linears/forward.py keeps it on the layer, coc_inject.verdicts)."""
+    return _missing(layer, ROW_READS) or _refused(layer, "row") or _layer_fallback(layer)
 
 
-def column_guards(config, layer, input_, weight, args, kwargs) -> MegatronPath | None:
-    """Why a ColumnParallelLinear call must take Megatron's path, or None."""
-    if args or kwargs:
-        return UNKNOWN_ARGUMENTS
-    path = _missing(layer, COLUMN_READS) or _refused(layer, "column") or _common_fallback(layer, input_)
+def column_layer_guards(config, layer) -> MegatronPath | None:
+    """Why every call of this ColumnParallelLinear takes Megatron's path, whatever its input, or None."""
+    path = _missing(layer, COLUMN_READS) or _refused(layer, "column") or _layer_fallback(layer)
     if path is not None:
         return path
     if getattr(layer, "disable_grad_reduce", False):
         return NO_GRAD_REDUCE
     if not layer.sequence_parallel and not config.enable_coc_in_column_backward:
         return COLUMN_WITHOUT_SP
+    return None
+
+
+def row_call_guards(layer, input_, args, kwargs) -> MegatronPath | None:
+    """Why this call of a RowParallelLinear whose layer passed row_layer_guards takes Megatron's path, or None."""
+    if args or kwargs:
+        return UNKNOWN_ARGUMENTS
+    path = _call_fallback(layer, input_) or _weight_fallback(
+        layer, layer.weight, (layer.output_size, layer.input_size_per_partition))
+    if path is None and layer.sequence_parallel and input_.shape[0] % tp_group(layer).size():
+        path = MegatronPath(f"sequence length {input_.shape[0]} is not divisible by TP")
+    return path
+
+
+def column_call_guards(layer, input_, weight, args, kwargs) -> MegatronPath | None:
+    """Why this call of a ColumnParallelLinear whose layer passed column_layer_guards takes Megatron's path."""
+    if args or kwargs:
+        return UNKNOWN_ARGUMENTS
+    path = _call_fallback(layer, input_)
+    if path is not None:
+        return path
     output_dtype = getattr(layer, "output_dtype", None)
     if output_dtype is not None and output_dtype != input_.dtype:
         return MegatronPath(f"output_dtype {output_dtype} differs from the input dtype {input_.dtype}")
@@ -161,3 +180,13 @@ def column_guards(config, layer, input_, weight, args, kwargs) -> MegatronPath |
     if matrix is None:
         return NO_WEIGHT
     return _weight_fallback(layer, matrix, (layer.output_size_per_partition, layer.input_size))
+
+
+def row_guards(layer, input_, args, kwargs) -> MegatronPath | None:
+    """Why a RowParallelLinear call must take Megatron's path, or None (the layer's guards, then the call's)."""
+    return row_layer_guards(layer) or row_call_guards(layer, input_, args, kwargs)
+
+
+def column_guards(config, layer, input_, weight, args, kwargs) -> MegatronPath | None:
+    """Why a ColumnParallelLinear call must take Megatron's path, or None."""
+    return column_layer_guards(config, layer) or column_call_guards(layer, input_, weight, args, kwargs)

@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from coc_inject import copy_context, job, log
+from coc_inject import copy_context, job, log, verdicts
+from coc_inject.allowlist import check
 from coc_inject.moe import auto, counts, grouped, guards
 from coc_inject.moe.function import PieceRun, PipelinedExperts
 from coc_inject.pipeline import agreement
@@ -158,7 +159,16 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
             dispatcher = getattr(self, "token_dispatcher", None)
             check([getattr(dispatcher, "tp_ep_group", None) or getattr(dispatcher, "ep_group", None)],
                   {"MoE pieces can run here": megatron_middle is not None})
-        reason = _layer_reason(self, taken) or guards.call_reason(self, hidden_states)
+        verdict = self.__dict__.get(VERDICT)
+        if verdict is None or not verdict.holds(installation, self.__dict__.get("config"), _groups(self)):
+            verdict = _decide(installation, self, taken)
+        route = verdict.value
+        if route is not None:  # every call of this layer: Megatron's dispatcher, said at the decision
+            self.__dict__["_coc_moe"] = route  # as _count keeps it (a plain value: no Module.__setattr__)
+            if installation.coverage is not None:
+                installation.coverage.count(self, route, None, _no_shape)
+            return original(self, hidden_states, *args, **kwargs)
+        reason = guards.call_reason(self, hidden_states)
         if reason is None and deciding and not copy_context.experts_in_pieces():
             reason = COPIES_CHOSE_DISPATCHER  # the block's trials found its copies faster without pieces
         call = None
@@ -179,20 +189,29 @@ def layer_forward(installation, original, chunks: int | None, megatron_middle: C
     return forward
 
 
-def _layer_reason(layer, taken=None):
-    """guards.layer_reason, once per layer (its construction, not its input); and where the pieces run in
-    the experts' forward, whether this job took over that of the layer's experts class."""
-    cached = layer.__dict__.get("_coc_moe_layer_reason", _unset)
-    if cached is _unset:
-        cached = guards.layer_reason(layer)
-        if cached is None and taken is not None and not isinstance(layer.experts, tuple(taken)):
-            cached = (f"{type(layer.experts).__name__} experts: this megatron-core's stages run the pieces in "
-                      f"the experts' forward, taken over here for {' / '.join(c.__name__ for c in taken)} only")
-        layer.__dict__["_coc_moe_layer_reason"] = cached
-    return cached
+VERDICT = "_coc_moe_verdict"  # on the layer: verdicts.Verdict of _decide
 
 
-_unset = object()
+def _groups(layer):
+    """What the layer's verdict is keyed by beside its config: its dispatcher's EP size (the group the pieces
+    would cross; read through multi-copy's per-copy dispatcher alike)."""
+    return getattr(layer.__dict__.get("token_dispatcher"), "ep_size", None)
+
+
+def _decide(installation, layer, taken=None) -> verdicts.Verdict:
+    """guards.layer_reason (its construction and config, not its input) as the route every call of the layer
+    takes (None: each call decides), kept on the layer keyed by what it read; and where the pieces run in the experts' forward, whether this job took over that of the layer's
+    experts class."""
+    reason = guards.layer_reason(layer)
+    if reason is None and taken is not None and not isinstance(layer.experts, tuple(taken)):
+        reason = (f"{type(layer.experts).__name__} experts: this megatron-core's stages run the pieces in "
+                  f"the experts' forward, taken over here for {' / '.join(c.__name__ for c in taken)} only")
+    if reason is not None:
+        log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")
+    config = layer.__dict__.get("config")
+    read = check.reads(type(config), check.MOE) if config is not None else verdicts.nothing
+    route = None if reason is None else MoERoute(0, 0, reason)  # counted at every call of the layer
+    return verdicts.remember(installation, layer, VERDICT, config, read, _groups(layer), route)
 
 
 def _count(installation, layer, call, reason) -> None:
@@ -202,7 +221,7 @@ def _count(installation, layer, call, reason) -> None:
         route = MoERoute(0, 0, reason)
     else:
         route = MoERoute(piece_count(layer, call.chunks), call.chunks)
-    layer._coc_moe = route  # this layer's last route (tests, selftest, a user poking at the model)
+    layer.__dict__["_coc_moe"] = route  # its last route (tests, selftest, a user poking at the model)
     if reason is not None and reason not in (AUTO_CHOSE_MEGATRON, COPIES_CHOSE_DISPATCHER):
         log.once(("moe", reason), logging.WARNING, f"MoE overlap: an MoE layer runs Megatron's path: {reason}")
     if installation.coverage is not None:

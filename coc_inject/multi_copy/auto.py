@@ -131,9 +131,9 @@ def choose(tuner, block, original, arguments: dict, split, choices: list):
     hidden = arguments["hidden_states"] if block.pre_process else block.input_tensor
     key = key_for(block, hidden, split, choices)
     backward = key.backward
-    params = [p for p in block.parameters() if p.requires_grad]
 
     def trial(choice):
+        params = [p for p in block.parameters() if p.requires_grad]  # in a trial only: not per call
         probe = hidden.detach().clone().requires_grad_(backward)
         trial_arguments = dict(arguments, hidden_states=probe) if block.pre_process else arguments
         held = getattr(block, "input_tensor", None)

@@ -146,16 +146,12 @@ def _unread_recompute(block, layers) -> str | None:
             "cannot be combined)")
 
 
-_reasons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def block_reason(block) -> str | None:
-    """Why a block's MoE layers cannot run as copies (None: they can, or it has none); once per block."""
-    if block not in _reasons:
-        layers = moe_layers(block)
-        _reasons[block] = (next(filter(None, map(_layer_reason, layers)), None)
-                           or (_unread_recompute(block, layers) if layers else None))
-    return _reasons[block]
+    """Why a block's MoE layers cannot run as copies (None: they can, or it has none); part of the block's
+    verdict (forward.MultiCopy.decide: kept on the block, dropped by uninstall)."""
+    layers = moe_layers(block)
+    return (next(filter(None, map(_layer_reason, layers)), None)
+            or (_unread_recompute(block, layers) if layers else None))
 
 
 def call_reason(block, arguments: dict) -> str | None:

@@ -136,9 +136,15 @@ def _plain(value) -> bool:
     return isinstance(value, (bool, int, float, str, type(None)))
 
 
+_signatures: dict = {}  # Megatron's block forward -> its signature (a function of Megatron's, not a verdict)
+
+
 def bind(original, block, args, kwargs) -> dict:
     """forward's arguments by name (``self`` left out), defaults included."""
-    bound = inspect.signature(original).bind(block, *args, **kwargs)
+    signature = _signatures.get(original)
+    if signature is None:  # once per forward: inspect.signature is not a per-call cost
+        signature = _signatures[original] = inspect.signature(original)
+    bound = signature.bind(block, *args, **kwargs)
     bound.apply_defaults()
     arguments = dict(bound.arguments)
     arguments.pop("self", None)

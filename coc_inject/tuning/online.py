@@ -152,6 +152,9 @@ class Tuner:
 
     def chunks(self, key: DecisionKey, group, device: torch.device, rows: int, run: Callable[[int], None],
                touches=()) -> int:
+        decision = self.decisions.get(key)
+        if decision is not None:  # decided: no candidate list per call
+            return decision.choice
         candidates = [1] + [c for c in self.config.tune_candidates if c <= rows]
         return self.decide(key, group, device, candidates, 1, run, touches=touches)
 

@@ -10,8 +10,8 @@ import torch
 
 from tests.moe.moe_cases import _step, build_layer, layer_input, route_of, setup
 
-# What the wing keeps per LAYER (not per call): the layer's last route and its construction's reason.
-PER_LAYER = {"_coc_moe", "_coc_moe_layer_reason"}
+# What the wing keeps per LAYER (not per call): the layer's last route and its verdict (coc_inject.verdicts).
+PER_LAYER = {"_coc_moe", "_coc_moe_verdict"}
 
 
 def coc_attributes(layer) -> list:
