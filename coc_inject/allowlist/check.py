@@ -79,7 +79,7 @@ _readers: dict = {}  # (config class, wing) -> reads()
 def read_names(cls, wing: str) -> tuple:
     """The fields :func:`refusal` reads of a ``cls`` config for ``wing``: those that can refuse, and what the
     rows' predicates read."""
-    names = tuple(name for name, _, _ in _checks(cls, WINGS[wing]))
+    names = tuple(name for name, _, _ in _checks(cls, WINGS[wing])[1])
     return names + tuple(name for name in READ_BY_PREDICATES if name not in names)
 
 
