@@ -81,7 +81,11 @@ def _step(block, hidden, mask) -> dict:
     x = hidden.clone().requires_grad_(True)
     with _schedule_context(block.config):
         out = block(x, mask)
-    out.float().backward(torch.ones(out.shape) / out.numel())
+    # A fixed random output gradient, not ones: the block ends in its final LayerNorm, whose outputs sum to a
+    # constant over the hidden dimension, so ones would send it a zero gradient (rounding noise only) and the
+    # last layer's weight gradients would be noise compared with noise (issue 51: the MoE case's layer 1).
+    seed = torch.Generator().manual_seed(11 + dist.get_rank())
+    out.float().backward(torch.randn(out.shape, generator=seed) / out.numel())
     grads = {name: p.grad.detach().float().clone() for name, p in block.named_parameters() if p.grad is not None}
     return {"out": out.detach().float().clone(), "dx": x.grad.detach().float().clone(), **grads}
 
