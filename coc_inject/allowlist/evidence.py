@@ -35,9 +35,10 @@ MEETS = ("megatron/core/transformer/", "megatron/core/tensor_parallel/", "megatr
 CONFIG_FILES = ("megatron/core/model_parallel_config.py", "megatron/core/transformer/transformer_config.py")
 
 # The wing's case in test_evidence.py: "dense" (a TransformerBlock, TP 2 with SP: the linears, batch copies,
-# sequence copies) and "moe" (a block of MoE layers, TP 2 x EP 2: the pieces, linears, batch copies). Context-parallel
-# attention and the sequence copies have no generated case yet (NOT_YET): their rows are cited or say why not.
-CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe"), "moe": ("moe",)}
+# sequence copies at micro-batch 1) and "moe" (a block of MoE layers, TP 2 x EP 2: the pieces, linears, batch
+# copies). Context-parallel attention has no generated case yet (NOT_YET): its rows are cited or say why not.
+CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe"), "moe": ("moe",),
+         "sequence_copies": ("dense",)}
 # Applied by Megatron's schedule around the forward, on the CPU as torch.autocast("cpu"): Megatron's own local
 # block does not run under CPU autocast (a bf16 / fp32 matmul in its layers), its linears do: the linears' case
 # for it is Megatron's ColumnParallelLinear -> RowParallelLinear ("pair").
@@ -179,10 +180,6 @@ CANNOT_TEST_IN = {
 NOT_YET_WINGS = {
     "context_parallel": "no generated context-parallel case yet (its reference is Megatron at CP 1 on the whole "
                         "sequence: tests/context_parallel/test_cp_gpt.py, not yet driven per field)",
-    "sequence_copies": "no generated sequence-copies case yet (a bare block call at micro-batch 1 with a causal mask "
-                       "tensor differed from Megatron's by 1.99 relative with no field set, 2.25 with the case's random "
-                       "output gradient (layer 0's norms' and biases' gradients): harness or defect, not yet told "
-                       "apart; tests/multi_copy/test_sequence_copies.py compares whole GPT steps)",
 }
 NOT_YET_FIELDS = {name: "recompute in the generated case: the pool stopped answering (a rank failed inside "
                          "Megatron's checkpoint on the CPU) in this round; tests/multi_copy and tests/moe cover recompute "
