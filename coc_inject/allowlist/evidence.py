@@ -35,9 +35,10 @@ MEETS = ("megatron/core/transformer/", "megatron/core/tensor_parallel/", "megatr
 CONFIG_FILES = ("megatron/core/model_parallel_config.py", "megatron/core/transformer/transformer_config.py")
 
 # The wing's case in test_evidence.py: "dense" (a TransformerBlock, TP 2 with SP: the linears, batch copies,
-# sequence copies) and "moe" (a block of MoE layers, TP 2 x EP 2: the linears, batch copies). Context-parallel
-# attention and the sequence copies have no generated case yet (NOT_YET): their rows are cited or say why not.
-CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe")}
+# sequence copies at micro-batch 1) and "moe" (a block of MoE layers, TP 2 x EP 2: the pieces, linears, batch
+# copies). Context-parallel attention has no generated case yet (NOT_YET): its rows are cited or say why not.
+CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe"), "moe": ("moe",),
+         "sequence_copies": ("dense",)}
 # Applied by Megatron's schedule around the forward, on the CPU as torch.autocast("cpu"): Megatron's own local
 # block does not run under CPU autocast (a bf16 / fp32 matmul in its layers), its linears do: the linears' case
 # for it is Megatron's ColumnParallelLinear -> RowParallelLinear ("pair").
@@ -88,7 +89,8 @@ CPU_VALUES = {name: settings for name, settings in {
     "use_cpu_initialization": _v(True),  # every case builds with it (its default is False)
     "init_method": _v("torch.nn.init.xavier_uniform_"),
     "output_layer_init_method": _v("torch.nn.init.xavier_uniform_"),
-    "bias_activation_fusion": _v(True),
+    # swiglu: the fusion Megatron allows in the MoE experts too (gelu asks for a bias, and the experts refuse it)
+    "bias_activation_fusion": _v(True, gated_linear_unit=True, activation_func="torch.nn.functional.silu"),
     "bias_dropout_fusion": _v(True),
     "num_query_groups": _v(2),
     "params_dtype": _v(_bf16),
@@ -178,13 +180,6 @@ CANNOT_TEST_IN = {
 NOT_YET_WINGS = {
     "context_parallel": "no generated context-parallel case yet (its reference is Megatron at CP 1 on the whole "
                         "sequence: tests/context_parallel/test_cp_gpt.py, not yet driven per field)",
-    "moe": "the generated MoE case (a 2-layer block of MoE layers, TP 2 x EP 2 with SP, 4 experts top-2, aux loss "
-           "0.01; tests/settings/evidence_cases.moe_fields) gives, with the pieces on and no field set, weight "
-           "gradients of layer 1's local expert 1 0.50 (relative) from Megatron's: harness or defect, not yet told "
-           "apart (with 8 experts they match); tests/moe compare the pieces at TP 1",
-    "sequence_copies": "no generated sequence-copies case yet (a bare block call at micro-batch 1 with a causal mask "
-                       "tensor differed from Megatron's by 1.99 relative with no field set: harness or defect, "
-                       "not yet told apart; tests/multi_copy/test_sequence_copies.py compares whole GPT steps)",
 }
 NOT_YET_FIELDS = {name: "recompute in the generated case: the pool stopped answering (a rank failed inside "
                          "Megatron's checkpoint on the CPU) in this round; tests/multi_copy and tests/moe cover recompute "

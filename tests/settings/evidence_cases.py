@@ -81,9 +81,40 @@ def _step(block, hidden, mask) -> dict:
     x = hidden.clone().requires_grad_(True)
     with _schedule_context(block.config):
         out = block(x, mask)
-    out.float().backward(torch.ones(out.shape) / out.numel())
+    # A fixed random output gradient, not ones: the block ends in its final LayerNorm, whose outputs sum to a
+    # constant over the hidden dimension, so ones would send it a zero gradient (rounding noise only) and the
+    # last layer's weight gradients would be noise compared with noise (issue 51: the MoE case's layer 1).
+    seed = torch.Generator().manual_seed(11 + dist.get_rank())
+    out.float().backward(torch.randn(out.shape, generator=seed) / out.numel())
+    _tp_replicated_grads_summed(block)
     grads = {name: p.grad.detach().float().clone() for name, p in block.named_parameters() if p.grad is not None}
     return {"out": out.detach().float().clone(), "dx": x.grad.detach().float().clone(), **grads}
+
+
+def _tp_replicated_grads_summed(block) -> None:
+    """As Megatron's finalize_model_grads (_allreduce_non_tensor_model_parallel_grads) before the optimizer
+    reads them: a parameter every TP rank holds whole under sequence parallelism (norms, row-parallel biases,
+    the router) or a q/k layernorm has a gradient summed over the TP ranks (one rank's share alone depends on
+    which rows the rank held, which the sequence copies change); one with average_gradients_across_tp_domain
+    averaged."""
+    from megatron.core import parallel_state
+
+    config, group = block.config, parallel_state.get_tensor_model_parallel_group()
+    summed, averaged = [], []
+    for name, param in block.named_parameters():
+        if param.grad is None:
+            continue
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            averaged.append(param.grad)
+        elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)):
+            summed.append(param.grad)
+    for grads, op in ((summed, dist.ReduceOp.SUM), (averaged, dist.ReduceOp.AVG)):
+        if grads:  # one call for all, as Megatron coalesces them
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat, op=op, group=group)
+            for grad, synced in zip(grads, flat.split([grad.numel() for grad in grads])):
+                grad.copy_(synced.view_as(grad))
 
 
 def _distance(on: dict, off: dict, where: list | None = None) -> float:

@@ -24,11 +24,7 @@ LOW_PRECISION = {"bf16", "params_dtype", "enable_autocast", "fp16"}
 KNOWN_FALSE: dict = {}
 
 # Differences found here and not yet told apart (harness or defect): reported to the lead, not a verdict.
-NOT_TOLD_APART = {
-    ("multi_copy", "num_moe_experts"): "8 experts in the MoE case: after the other MoE fields in the same pool, "
-                                       "1.70 relative (dx, layer 1's experts 1 and 3); alone, 5e-5: state kept "
-                                       "between blocks (cf. issue 51 item 6), not yet found",
-}
+NOT_TOLD_APART: dict = {}
 
 
 @pytest.fixture(scope="module")
