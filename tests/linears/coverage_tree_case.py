@@ -3,6 +3,7 @@ inside a wrapper built before Megatron's import, one training step; prints what 
 saw, whether it touched the heap, and what a pass over the heap sees now."""
 
 import gc
+import inspect
 import json
 import os
 import sys
@@ -29,7 +30,8 @@ from coc_inject import job  # noqa: E402
 from coc_inject.testbed.cpu import CpuLayerNorm  # noqa: E402
 
 parallel_state.initialize_model_parallel(1, 1)
-tp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+reset = {"force_reset": True} if "force_reset" in inspect.signature(tp_random.initialize_rng_tracker).parameters else {}
+tp_random.initialize_rng_tracker(inference_rng_tracker=True, **reset)  # 0.12.1 has no force_reset
 spec = get_gpt_layer_local_spec()
 spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNorm
 spec = TransformerBlockSubmodules(layer_specs=[spec] * 2, layer_norm=CpuLayerNorm)
