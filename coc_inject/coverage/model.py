@@ -46,8 +46,8 @@ class ModelView:
         scan = None
         if tracker is not None and tracker.complete:
             scan = _Scan(tuple(self.patched_forwards), tracker.live())
-            if not scan.all_counted_under(records):
-                scan = None  # a counted layer outside the trees of the called ones: garbage, perhaps
+            if not scan.all_counted_under(records, tracker):
+                scan = None  # a counted layer outside the called ones' trees (garbage?), or a tree's head unknown
         if scan is None:
             gc.collect()  # layers that are garbage must not count (once per summary / report)
             scan = _Scan(tuple(self.patched_forwards), gc.get_objects())
@@ -104,16 +104,20 @@ class _Scan:
             module = self.parents[id(module)][0]
         return module
 
-    def all_counted_under(self, records) -> bool:
+    def all_counted_under(self, records, tracker) -> bool:
         """Is every counted layer in the module tree of a layer that was called (``records``)? Without a
         gc.collect() a layer of a model dropped in a reference cycle is still seen: one outside the trees
         of the called layers (a standalone layer, a dropped model never called) asks for the collect.
-        (A model called and then dropped in a cycle before the first step would count: its layers ran.)"""
+        (A model called and then dropped in a cycle before the first step would count: its layers ran.) A
+        tree headed by a module built before the tracker started may go on above it, unseen: walk too."""
         roots = set()
         for record in records:
             layer = record.layer()
             if layer is not None:
-                roots.add(id(self.root(layer)))
+                root = self.root(layer)
+                if not tracker.built(root):
+                    return False  # built before the tracker: it may have a parent no hook saw
+                roots.add(id(root))
         return all(id(self.root(module)) in roots for module in (*self.local, *self.foreign_modules))
 
 

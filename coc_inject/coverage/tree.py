@@ -8,14 +8,14 @@ before any Megatron module could exist: from the installation made at Megatron's
 bootstrap's hooks (:func:`start`); elsewhere (an install after Megatron's import, a re-install) there is
 no tracker and the coverage walks the heap as before.
 
-Seen are the modules alive at Megatron's import (one pass over the heap then, while it is small), those
-whose ``Module.__init__`` ran since (a wrapper on it) and every parent given a child since (torch's global
-module registration hook, torch >= 2.0).
+Seen are the modules whose ``Module.__init__`` ran since (a wrapper on it: ``built``) and every parent
+given a child since (torch's global module registration hook, torch >= 2.0). A module built before (a
+user's wrapper made before importing Megatron) may have a parent no hook saw: where one heads a called
+layer's tree, the coverage walks the heap (``ModelView.inspect``).
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 import weakref
 
@@ -27,22 +27,30 @@ class ModuleTracker:
 
     def __init__(self):
         self._refs: dict = {}  # id -> weakref.ref (a Module subclass may be unhashable: no WeakSet)
+        self._built: set = set()  # ids (of live ones: dropped with the ref) whose Module.__init__ ran since
         self.stop = lambda: None
 
-    def see(self, module) -> None:
+    def see(self, module, built: bool = False) -> None:
         key = id(module)
+        if built:
+            self._built.add(key)
         if key in self._refs:
             return
-        refs = self._refs
+        refs, ids_built = self._refs, self._built
 
         def gone(ref, key=key):
             if refs.get(key) is ref:
                 del refs[key]
+                ids_built.discard(key)
 
         try:
             refs[key] = weakref.ref(module, gone)
         except TypeError:  # not weakly referable: only the heap walk would find it
             self.complete = False
+
+    def built(self, module) -> bool:
+        """Was ``module`` built since the tracker started (so every parent it was given was seen)?"""
+        return id(module) in self._built and self._refs.get(id(module), lambda: None)() is module
 
     def live(self) -> list:
         return [module for module in (ref() for ref in list(self._refs.values())) if module is not None]
@@ -73,7 +81,7 @@ def start(undo: list) -> ModuleTracker | None:
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        tracker.see(self)
+        tracker.see(self, built=True)
 
     __init__.__wrapped__, __init__.__doc__, __init__.__qualname__ = original, original.__doc__, original.__qualname__
 
@@ -85,11 +93,6 @@ def start(undo: list) -> ModuleTracker | None:
 
     module_class.__init__ = __init__
     handle = register(registered)
-    # The modules built before (torch's own, a user's wrapper made before importing Megatron): one pass over
-    # the heap now, at Megatron's import, while it is small and no step waits (a later parent's name part).
-    for obj in gc.get_objects():
-        if issubclass(type(obj), module_class):
-            tracker.see(obj)
 
     def stop():
         tracker.complete = False  # from now on modules come and go unseen

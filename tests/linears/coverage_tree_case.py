@@ -1,5 +1,5 @@
 """Run by test_coverage_tree.py in a bootstrapped process (sitecustomize on PYTHONPATH, COC_* set): a GPT
-inside a wrapper built before Megatron's import, one training step; prints what the first-step summary
+(in a wrapper, or beside a standalone layer), one training step; prints what the first-step summary
 saw, whether it touched the heap, and what a pass over the heap sees now."""
 
 import gc
@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+mode = sys.argv[2]
 holder = torch.nn.Module()  # built before Megatron's import: given the model later (its name's prefix)
 holder.chunks = torch.nn.ModuleList()
 
@@ -37,10 +38,12 @@ spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = CpuLayerNo
 spec = TransformerBlockSubmodules(layer_specs=[spec] * 2, layer_norm=CpuLayerNorm)
 config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
                            gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0)
-holder.chunks.append(GPTModel(config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16))
-model = holder.chunks[0]
-standalone = sys.argv[2] == "standalone"
-if standalone:  # a layer never called, outside the model's tree: the tracker cannot rule out garbage
+model = GPTModel(config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16)
+if mode == "early wrapper":  # the tracker saw ``chunks`` given the model, never ``holder`` given ``chunks``
+    holder.chunks.append(model)
+else:
+    holder = torch.nn.ModuleList([model])  # built since: every edge seen
+if mode == "standalone":  # a layer never called, outside the model's tree: the tracker cannot rule out garbage
     extra = ColumnParallelLinear(32, 32, config=config, init_method=torch.nn.init.zeros_, bias=False)
 optimizer = torch.optim.Adam(holder.parameters(), lr=1e-4)
 tokens = torch.randint(0, 64, (1, 17))
