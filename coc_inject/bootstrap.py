@@ -80,6 +80,7 @@ UNKNOWN_SAID = "_COC_INJECT_UNKNOWN_SAID"
 _finder = None  # the installed _MegatronTrigger, if any
 _unknown_checked = False
 _hook_registered = False
+hooked_before_megatron = False  # no megatron.core module imported when the hooks were registered
 _error = None  # str: why the hook could not be registered (CoC then is NOT active)
 
 
@@ -186,6 +187,9 @@ def _register():
         )
         return
     _hook_registered = True
+    global hooked_before_megatron  # the coverage's module tracker is complete only then (coverage/tree.py)
+    hooked_before_megatron = TARGET not in sys.modules and not any(
+        name == "megatron.core" or name.startswith("megatron.core.") for name in sys.modules)
     # If a hooked module is already imported, wrapt runs its hook right here; a
     # configuration error it raises must propagate (it stops the job on purpose).
     register(HOOK, TARGET)

@@ -16,7 +16,7 @@ import os
 import sys
 
 from coc_inject import log, megatron_version, mindspeed, verdicts
-from coc_inject.coverage import Coverage
+from coc_inject.coverage import Coverage, tree
 from coc_inject.patches import Patches, describe
 from coc_inject.pipeline import agreement
 
@@ -105,6 +105,7 @@ class Installation:
         self.exposure = None  # the meter (coc_inject.measure), with COC_MEASURE or COC_TRACE
         self.undo: list = []  # what else uninstall() calls (the meter's hooks), last first
         self.verdict_owners: dict = {}  # verdicts.remember's: name -> the layers / blocks it cached a verdict on
+        self.tracker = tree.start(self.undo)  # the modules built since Megatron's import (or None: the heap's)
 
     def armed_coverage(self) -> Coverage:
         if self.coverage is None:
@@ -114,6 +115,7 @@ class Installation:
             self.coverage.copies_decisions = lambda: self.decisions(MULTI_COPY)
             self.coverage.moe_decisions = lambda: self.decisions(MOE)
             self.coverage.taken_over = self.patches.taken_over
+            self.coverage.tracker = self.tracker
             self.coverage.arm()
         return self.coverage
 

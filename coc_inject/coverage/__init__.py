@@ -7,6 +7,7 @@ summary with its warnings and the COC_REPORT file. The parts:
 * :mod:`.counting`: the per-call counts (the hot path);
 * :mod:`.model`: one pass over the live modules at summary / report time (layer names, local
   and Transformer Engine linears, replaced forwards);
+* :mod:`.tree`: the modules built since Megatron's import, held weakly (the first step's pass);
 * :mod:`.reporting`: the summary line, the warnings and the report's schema;
 * :mod:`.ending`: when they are said or written (first optimizer step, exit, exception, SIGTERM).
 """
@@ -37,9 +38,13 @@ class Coverage(Counts):
         self.moe_decisions = dict  # () -> {MoEKey: Decision} of COC_MOE_OVERLAP=auto
         self.communication = lambda: None  # () -> the meter's report (COC_MEASURE), set by its installation
         self.taken_over = list  # () -> Patches.taken_over(): attributes another patcher set after coc-inject's
+        self.tracker = None  # coverage.tree.ModuleTracker of the installation, where it has one
 
-    def inspect_model(self) -> None:
-        self.model.inspect([*self.job.records.values(), *self.trials.records.values()])
+    def inspect_model(self, walk: bool = False) -> None:
+        """``walk``: from the heap's objects even where the tracker could say (the report at exit: it also
+        counts half-built modules, which no tracker sees)."""
+        records = [*self.job.records.values(), *self.trials.records.values()]
+        self.model.inspect(records, None if walk else self.tracker)
 
     def summary_line(self) -> str:
         return reporting.summary_line(self)

@@ -112,8 +112,7 @@ class ProcessEnd:
                 self.ended_by = "exception"
             if not self.summarized and not self.ended_before_any_call():
                 self.first_step_done()  # no optimizer step: summarise what happened
-            else:
-                self.coverage.inspect_model()
+            self.coverage.inspect_model(walk=True)  # at exit: the heap's picture, half-built modules too
             text = json.dumps(reporting.report(self.coverage), indent=1, default=str) + "\n"
             temporary = f"{path}.tmp{os.getpid()}"
             with open(temporary, "w", encoding="utf-8") as handle:

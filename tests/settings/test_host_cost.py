@@ -33,3 +33,42 @@ def test_every_wing_auto_at_tp1_runs_no_trial_and_adds_few_python_calls(pool):
     assert "no tensor-, context- or expert-parallel collective" in r["copies route"], r
     assert r["on"] <= CALLS_BOUND * r["off"], (r["on"] / r["off"], r)
     assert r["left after uninstall"] == [], r
+
+
+def test_a_verdict_reads_its_config_again_only_after_a_set_and_unwatches_at_uninstall():
+    """The values a verdict is keyed by are re-read only once an attribute of a watched config was set (its
+    class counts sets while installed): a call costs an int compare, a change in place still re-decides."""
+    import dataclasses
+
+    from coc_inject import verdicts
+
+    @dataclasses.dataclass
+    class Config:
+        size: int = 1
+
+    class Installation:
+        def __init__(self):
+            self.undo, self.verdict_owners = [], {}
+
+    class Owner:
+        pass
+
+    reads = []
+
+    def read(config):
+        reads.append(config.size)
+        return (config.size,)
+
+    installation, owner, config = Installation(), Owner(), Config()
+    verdict = verdicts.remember(installation, owner, "_v", config, read, None, "decided")
+    assert "__setattr__" in Config.__dict__ and reads == [1]
+    assert all(verdict.holds(installation, config) for _ in range(5)) and reads == [1]  # nothing set: no re-read
+    config.size = 1  # set to the same value: read again once, still holds
+    assert verdict.holds(installation, config) and verdict.holds(installation, config) and reads == [1, 1]
+    config.size = 2
+    assert not verdict.holds(installation, config)
+    while installation.undo:  # what uninstall() does
+        installation.undo.pop()()
+    assert "__setattr__" not in Config.__dict__
+    verdicts.drop(installation.verdict_owners)
+    assert "_v" not in owner.__dict__
