@@ -67,11 +67,13 @@ class MultiCopy:
         if self.agreement.pending:
             self.agreement(agreed.groups(block, self.auto or self.linears_auto or self.experts_auto),
                            {"multi-copy can run here": self.unsupported is None})
+        reason = self.unsupported or autograd_check.saved_hooks_reason()  # at install / this call: no block read
+        if reason is not None:
+            return reason, None
         verdict = block.__dict__.get(VERDICT)
         if verdict is None or not verdict.holds(self.installation, block.__dict__.get("config"), block.training):
             verdict = self.decide(block)
         reason, _, experts_auto = verdict.value
-        reason = reason or autograd_check.saved_hooks_reason()
         if reason is not None:
             return reason, None
         arguments = splits.bind(original, block, args, kwargs)

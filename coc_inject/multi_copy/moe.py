@@ -56,7 +56,7 @@ CHUNK_CLOSURE = ".<locals>.custom.<locals>.custom_forward"
 
 
 def moe_layers(block) -> list:
-    return [layer.mlp for layer in block.layers if "MoE" in type(getattr(layer, "mlp", None)).__name__]
+    return [layer.mlp for layer in getattr(block, "layers", ()) if "MoE" in type(getattr(layer, "mlp", None)).__name__]
 
 
 # -- which MoE blocks run as copies -------------------------------------------------------------------

@@ -22,6 +22,7 @@ CPU_BY_DESIGN = [
      "the whole sequence from a seeded CPU generator, the same on every rank; callers move their share"),
     ("bench/cases/flash.py", "block_kernels", "times the CPU flash kernel against the reference, on the CPU"),
     ("testbed/models.py", "build_block", "the layer bench's block runs on CPU ranks (CpuLayerNorm)"),
+    ("lab/world.py", "_cpu_shims", "the lab's CPU mode: Megatron's causal mask on the CPU, as the test bed's ranks"),
     ("selftest/linears.py", "_cases", "a seeded CPU generator's scales, moved by .to(device=...) once multiplied"),
     ("selftest/kernels.py", "_truth", "the float64 truth is computed on the CPU (its inputs moved there first)"),
     ("multi_copy/autograd_check.py", "_run", "the check of torch's autograd runs a tiny graph on the CPU, no collective"),

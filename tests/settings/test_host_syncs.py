@@ -31,6 +31,8 @@ FREQUENCIES = (NOT_IN_A_JOB, PER_PROCESS, PER_GROUP, PER_SHAPE, PER_MASK, HOST_T
 # (module under coc_inject/ or a folder ending in "/", enclosing function or "*", call, frequency, why)
 ALLOWED = [
     ("selftest/", "*", "*", NOT_IN_A_JOB, "coc-inject selftest compares against its truth"),
+    ("lab/", "*", "*", NOT_IN_A_JOB, "coc-inject lab times whole steps in its own process (a step's end, its loss, "
+             "the link model's calibration): never inside a user's job"),
     ("testbed/cpu.py", "gloo_split_lists.all_to_all_single", "tolist", NOT_IN_A_JOB,
      "the test bed's CPU ranks: gloo takes split sizes as lists"),
     ("testbed/grouped_gemm.py", "*", "*", NOT_IN_A_JOB,
