@@ -36,9 +36,10 @@ CONFIG_FILES = ("megatron/core/model_parallel_config.py", "megatron/core/transfo
 
 # The wing's case in test_evidence.py: "dense" (a TransformerBlock, TP 2 with SP: the linears, batch copies,
 # sequence copies at micro-batch 1) and "moe" (a block of MoE layers, TP 2 x EP 2: the pieces, linears, batch
-# copies). Context-parallel attention has no generated case yet (NOT_YET): its rows are cited or say why not.
+# copies) and "cp" (tests/context_parallel's tiny GPT, local spec, at CP 2 with COC_CP_ALGO=ring against
+# Megatron at CP 1 on the whole sequence: dense layers only).
 CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe"), "moe": ("moe",),
-         "sequence_copies": ("dense",)}
+         "sequence_copies": ("dense",), "context_parallel": ("cp",)}
 # Applied by Megatron's schedule around the forward, on the CPU as torch.autocast("cpu"): Megatron's own local
 # block does not run under CPU autocast (a bf16 / fp32 matmul in its layers), its linears do: the linears' case
 # for it is Megatron's ColumnParallelLinear -> RowParallelLinear ("pair").
@@ -46,6 +47,8 @@ IN_LINEAR_PAIR = frozenset({"enable_autocast"})
 # Read by Megatron's MoE layers too (0.19 transformer_layer.py:871-916 calls the MoE layer once per chunk): the
 # copies' MoE case runs them.
 IN_MOE_LAYERS = frozenset({"mlp_chunks_for_training"})
+# Read only where rotary embeddings are applied: the CP case's GPT has them, the blocks of the other cases none.
+WITH_ROPE = frozenset({"rotary_interleaved", "no_rope_freq"})
 
 
 def _v(value, **companions) -> dict:
@@ -95,6 +98,8 @@ CPU_VALUES = {name: settings for name, settings in {
     "num_query_groups": _v(2),
     "params_dtype": _v(_bf16),
     "qk_layernorm": _v(True),
+    "rotary_interleaved": _v(True),
+    "no_rope_freq": _v([1]),  # the CP case's one layer without rotary embeddings
     "qk_l2_norm": _v(True),
     "softmax_scale": _v(0.3),
     "test_mode": _v(True),
@@ -169,17 +174,26 @@ CANNOT_TEST = {
            "inference_moe_disable_fused_quant_kernels", "inference_moe_token_dispatcher_type"),
 }
 
+# The fields only Megatron's MLATransformerConfig defines (0.19.2; earlier releases a subset).
+MLA_ONLY = ("beta_fast", "beta_slow", "cache_mla_latents", "kv_lora_rank", "mla_down_proj_fusion", "mscale",
+            "mscale_all_dim", "original_max_position_embeddings", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+            "rope_type", "rotary_base", "rotary_percent", "rotary_scaling_factor", "v_head_dim")
+
 CANNOT_TEST_IN = {
     ("multi_copy", "enable_autocast"): "Megatron's own local TransformerBlock fails under CPU autocast (bf16 over "
                                        "fp32 weights: 'expected m1 and m2 to have the same dtype'): no CPU reference; "
                                        "the copies run Megatron's linears, the linears' own row is tested",
     ("sequence_copies", "enable_autocast"): "as for multi_copy: Megatron's local block has no CPU autocast run",
+    **{("context_parallel", name): "defined only by MLATransformerConfig, whose multi_latent_attention the CP wing "
+                                   "refuses: no CP run reads it" for name in MLA_ONLY},
+    ("context_parallel", "hidden_dropout"): "dropout draws its masks over each rank's rows: at CP 2 other masks than "
+                                            "Megatron's at CP 1 on the whole sequence, so no exact reference",
 }
 
 # Rows whose evidence is still to be built (issue 51: the lead's list of what is left), with why.
 NOT_YET_WINGS = {
-    "context_parallel": "no generated context-parallel case yet (its reference is Megatron at CP 1 on the whole "
-                        "sequence: tests/context_parallel/test_cp_gpt.py, not yet driven per field)",
+    "context_parallel": "no CPU value for the context-parallel case yet, or an MoE field (the case's GPT is dense: "
+                        "MoE layers at CP 2 against CP 1 are not built there yet)",
 }
 NOT_YET_FIELDS = {name: "recompute in the generated case: the pool stopped answering (a rank failed inside "
                          "Megatron's checkpoint on the CPU) in this round; tests/multi_copy and tests/moe cover recompute "
@@ -198,9 +212,14 @@ def case_of(wing: str, name: str) -> str | None:
     if name not in CPU_VALUES:
         return None
     cases = CASES.get(wing, ())
+    moe_field = name.startswith("moe_") or name == "num_moe_experts"
+    if cases == ("cp",):
+        return None if moe_field or (wing, name) in CANNOT_TEST_IN else "cp"
+    if name in WITH_ROPE:
+        return None
     if name in IN_LINEAR_PAIR:
         return "pair" if "pair" in CASES.get(wing, ()) else None
-    moe_field = name.startswith("moe_") or name == "num_moe_experts" or name in IN_MOE_LAYERS
+    moe_field = moe_field or name in IN_MOE_LAYERS
     if "moe" in cases and (moe_field or cases == ("moe",)):
         return "moe"
     return "dense" if "dense" in cases and not moe_field else None
