@@ -46,7 +46,9 @@ CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe"), "m
 IN_LINEAR_PAIR = frozenset({"enable_autocast"})
 # Read by Megatron's MoE layers too (0.19 transformer_layer.py:871-916 calls the MoE layer once per chunk): the
 # copies' MoE case runs them.
-IN_MOE_LAYERS = frozenset({"mlp_chunks_for_training"})
+# The expert-parallel sizes: read by the MoE layers, held by the MoE case (EP 2, expert TP 1).
+EXPERT_SIZES = frozenset({"expert_model_parallel_size", "expert_tensor_parallel_size"})
+IN_MOE_LAYERS = frozenset({"mlp_chunks_for_training"}) | EXPERT_SIZES
 # Read only where rotary embeddings are applied: the CP case's GPT has them, the blocks of the other cases none.
 WITH_ROPE = frozenset({"rotary_interleaved", "no_rope_freq"})
 
@@ -98,6 +100,11 @@ CPU_VALUES = {name: settings for name, settings in {
     "num_query_groups": _v(2),
     "params_dtype": _v(_bf16),
     "qk_layernorm": _v(True),
+    # the parallel sizes the dense and MoE cases run at (TP 2 with SP, EP 2 with expert TP 1): set as they hold them
+    "tensor_model_parallel_size": _v(2),
+    "sequence_parallel": _v(True),
+    "expert_model_parallel_size": _v(2),
+    "expert_tensor_parallel_size": _v(1),
     "rotary_interleaved": _v(True),
     "no_rope_freq": _v([1]),  # the CP case's one layer without rotary embeddings
     "qk_l2_norm": _v(True),
@@ -147,6 +154,19 @@ CANNOT_TEST = {
     **_why("CUDA graphs: a capture needs CUDA (read only with CUDA graphs on, refused by every wing)",
            "cuda_graph_modules", "cuda_graph_retain_backward_graph", "cuda_graph_scope", "cuda_graph_use_single_mempool",
            "cuda_graph_warmup_steps", "inference_cuda_graph_scope", "delay_offload_until_cuda_graph"),
+    **_why("read only by transformer/cuda_graphs.py's vision-encoder capture (0.19), which needs CUDA",
+           "spatial_merge_size", "max_vision_cuda_graph_seq_length", "num_position_embeddings"),
+    **_why("pipeline parallelism: the cases are one pipeline stage on their 2 ranks (TP / EP / CP take both) and "
+           "call the block, not Megatron's pipeline schedule and p2p communication, which read it",
+           "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout",
+           "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+           "microbatch_group_size_per_vp_stage", "overlap_p2p_comm", "overlap_p2p_comm_warmup_flush", "batch_p2p_comm",
+           "deallocate_pipeline_outputs", "variable_seq_lengths", "timers"),
+    **_why("a callback Megatron's forward-backward schedule calls around the step (loss scaling, DDP's gradient / "
+           "parameter sync, finalize): the cases call the block, not the schedule",
+           "grad_scale_func", "moe_grad_scale_func", "mtp_grad_scale_func", "grad_sync_func", "param_sync_func",
+           "no_sync_func", "finalize_model_grads_func"),
     **_why("activation CPU offloading moves a CUDA device's activations to pinned host memory: nothing to move on "
            "a CPU rank", "_cpu_offloading_context", "cpu_offloading", "cpu_offloading_activations",
            "cpu_offloading_double_buffering", "cpu_offloading_num_layers", "cpu_offloading_retain_pinned_cpu_buffers",
@@ -186,6 +206,9 @@ CANNOT_TEST_IN = {
     ("sequence_copies", "enable_autocast"): "as for multi_copy: Megatron's local block has no CPU autocast run",
     **{("context_parallel", name): "defined only by MLATransformerConfig, whose multi_latent_attention the CP wing "
                                    "refuses: no CP run reads it" for name in MLA_ONLY},
+    **{("context_parallel", name): "the CP case's 2 ranks are both taken by CP 2 (TP 2 x CP 2 needs 4): run by hand "
+                                   "on 4 ranks in tests/context_parallel/test_cp_gpt.py::test_tp2_cp2_sequence_parallel_gqa"
+       for name in ("tensor_model_parallel_size", "sequence_parallel")},
     ("context_parallel", "hidden_dropout"): "dropout draws its masks over each rank's rows: at CP 2 other masks than "
                                             "Megatron's at CP 1 on the whole sequence, so no exact reference",
 }
@@ -200,6 +223,9 @@ NOT_YET_FIELDS = {name: "recompute in the generated case: the pool stopped answe
                          "by hand" for name in ("distribute_saved_activations", "recompute_granularity", "recompute_method",
                                                 "num_microbatches_with_partial_activation_checkpoints",
                                                 "recompute_modules", "recompute_num_layers", "moe_layer_recompute")}
+NOT_YET_FIELDS.update({name: "multi-token prediction: built only by a GPTModel given an mtp_block_spec; no case "
+                              "builds one yet" for name in ("mtp_num_layers", "mtp_use_repeated_layer",
+                                                            "mtp_loss_scaling_factor", "mtp_detach_heads")})
 NOT_YET = "no CPU value chosen for the generated case yet (read inside the block's modules, so not citable)"
 
 
@@ -212,7 +238,7 @@ def case_of(wing: str, name: str) -> str | None:
     if name not in CPU_VALUES:
         return None
     cases = CASES.get(wing, ())
-    moe_field = name.startswith("moe_") or name == "num_moe_experts"
+    moe_field = name.startswith("moe_") or name == "num_moe_experts" or name in EXPERT_SIZES
     if cases == ("cp",):
         return None if moe_field or (wing, name) in CANNOT_TEST_IN else "cp"
     if name in WITH_ROPE:
