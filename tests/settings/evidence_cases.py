@@ -84,8 +84,11 @@ def _block(field: str, moe: bool, micro_batch: int):
 
 def _step(block, hidden, mask) -> dict:
     torch.manual_seed(7)  # dropout draws the same masks in every run
+    fused = getattr(block.config, "gradient_accumulation_fusion", False)
     for param in block.parameters():
         param.grad = None
+        if fused:  # Megatron's DDP's buffer: the fused kernel adds the weight gradient into it
+            param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
     x = hidden.clone().requires_grad_(True)
     with _schedule_context(block.config):
         out = block(x, mask)
@@ -96,6 +99,8 @@ def _step(block, hidden, mask) -> dict:
     out.float().backward(torch.randn(out.shape, generator=seed) / out.numel())
     _tp_replicated_grads_summed(block)
     grads = {name: p.grad.detach().float().clone() for name, p in block.named_parameters() if p.grad is not None}
+    if fused:  # a weight's gradient is in main_grad (its .grad a placeholder)
+        grads.update({f"{name}.main_grad": p.main_grad.clone() for name, p in block.named_parameters()})
     return {"out": out.detach().float().clone(), "dx": x.grad.detach().float().clone(), **grads}
 
 
@@ -169,7 +174,22 @@ def _guarded(function, *args) -> dict:
         return {"error": traceback.format_exc(limit=6)}
 
 
+def _hardware_fakes(field: str):
+    """gradient_accumulation_fusion: apex's fused_weight_gradient_mlp_cuda, as tests/fakes/fused_wgrad.py
+    stands in for it on the CPU (it checks the kernel's call contract)."""
+    if field != "gradient_accumulation_fusion":
+        return contextlib.nullcontext()
+    from tests.fakes import fused_wgrad
+
+    return fused_wgrad.installed()
+
+
 def _dense_field(field: str) -> dict:
+    with _hardware_fakes(field):
+        return _dense_field_run(field)
+
+
+def _dense_field_run(field: str) -> dict:
     """linears (chunks 2), batch copies (2) and sequence copies (2, micro-batch 1) on a dense block."""
     results = {}
     try:
@@ -207,6 +227,11 @@ def dense_fields(fields: list) -> dict:
 
 
 def _moe_field(field: str) -> dict:
+    with _hardware_fakes(field):
+        return _moe_field_run(field)
+
+
+def _moe_field_run(field: str) -> dict:
     """The MoE pieces, the linears (chunks 2) and batch copies (2) on a block of MoE layers (EP 2, TP 2)."""
     try:
         block, hidden, mask = _block(field, moe=True, micro_batch=2)
