@@ -36,16 +36,21 @@ CONFIG_FILES = ("megatron/core/model_parallel_config.py", "megatron/core/transfo
 
 # The wing's case in test_evidence.py: "dense" (a TransformerBlock, TP 2 with SP: the linears, batch copies,
 # sequence copies at micro-batch 1) and "moe" (a block of MoE layers, TP 2 x EP 2: the pieces, linears, batch
-# copies). Context-parallel attention has no generated case yet (NOT_YET): its rows are cited or say why not.
+# copies) and "cp" (tests/context_parallel's tiny GPT, local spec, at CP 2 with COC_CP_ALGO=ring against
+# Megatron at CP 1 on the whole sequence: dense layers only).
 CASES = {"linears": ("dense", "pair", "moe"), "multi_copy": ("dense", "moe"), "moe": ("moe",),
-         "sequence_copies": ("dense",)}
+         "sequence_copies": ("dense",), "context_parallel": ("cp",)}
 # Applied by Megatron's schedule around the forward, on the CPU as torch.autocast("cpu"): Megatron's own local
 # block does not run under CPU autocast (a bf16 / fp32 matmul in its layers), its linears do: the linears' case
 # for it is Megatron's ColumnParallelLinear -> RowParallelLinear ("pair").
 IN_LINEAR_PAIR = frozenset({"enable_autocast"})
 # Read by Megatron's MoE layers too (0.19 transformer_layer.py:871-916 calls the MoE layer once per chunk): the
 # copies' MoE case runs them.
-IN_MOE_LAYERS = frozenset({"mlp_chunks_for_training"})
+# The expert-parallel sizes: read by the MoE layers, held by the MoE case (EP 2, expert TP 1).
+EXPERT_SIZES = frozenset({"expert_model_parallel_size", "expert_tensor_parallel_size"})
+IN_MOE_LAYERS = frozenset({"mlp_chunks_for_training"}) | EXPERT_SIZES
+# Read only where rotary embeddings are applied: the CP case's GPT has them, the blocks of the other cases none.
+WITH_ROPE = frozenset({"rotary_interleaved", "no_rope_freq"})
 
 
 def _v(value, **companions) -> dict:
@@ -95,6 +100,18 @@ CPU_VALUES = {name: settings for name, settings in {
     "num_query_groups": _v(2),
     "params_dtype": _v(_bf16),
     "qk_layernorm": _v(True),
+    # the parallel sizes the dense and MoE cases run at (TP 2 with SP, EP 2 with expert TP 1): set as they hold them
+    "tensor_model_parallel_size": _v(2),
+    "sequence_parallel": _v(True),
+    "expert_model_parallel_size": _v(2),
+    "expert_tensor_parallel_size": _v(1),
+    "hidden_size": _v(16),  # the dense and MoE cases' own (8 a rank); the CP case's GPT takes it too
+    # apex's kernel, stood in for by tests/fakes/fused_wgrad.py (the case allocates main_grad as Megatron's DDP)
+    "gradient_accumulation_fusion": _v(True),
+    "fp16": _v(True, params_dtype="torch.float16"),
+    "cp_comm_type": _v("a2a"),
+    "rotary_interleaved": _v(True),
+    "no_rope_freq": _v([1]),  # the CP case's one layer without rotary embeddings
     "qk_l2_norm": _v(True),
     "softmax_scale": _v(0.3),
     "test_mode": _v(True),
@@ -142,6 +159,19 @@ CANNOT_TEST = {
     **_why("CUDA graphs: a capture needs CUDA (read only with CUDA graphs on, refused by every wing)",
            "cuda_graph_modules", "cuda_graph_retain_backward_graph", "cuda_graph_scope", "cuda_graph_use_single_mempool",
            "cuda_graph_warmup_steps", "inference_cuda_graph_scope", "delay_offload_until_cuda_graph"),
+    **_why("read only by transformer/cuda_graphs.py's vision-encoder capture (0.19), which needs CUDA",
+           "spatial_merge_size", "max_vision_cuda_graph_seq_length", "num_position_embeddings"),
+    **_why("pipeline parallelism: the cases are one pipeline stage on their 2 ranks (TP / EP / CP take both) and "
+           "call the block, not Megatron's pipeline schedule and p2p communication, which read it",
+           "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "pipeline_model_parallel_layout",
+           "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+           "microbatch_group_size_per_vp_stage", "overlap_p2p_comm", "overlap_p2p_comm_warmup_flush", "batch_p2p_comm",
+           "deallocate_pipeline_outputs", "variable_seq_lengths", "timers"),
+    **_why("a callback Megatron's forward-backward schedule calls around the step (loss scaling, DDP's gradient / "
+           "parameter sync, finalize): the cases call the block, not the schedule",
+           "grad_scale_func", "moe_grad_scale_func", "mtp_grad_scale_func", "grad_sync_func", "param_sync_func",
+           "no_sync_func", "finalize_model_grads_func"),
     **_why("activation CPU offloading moves a CUDA device's activations to pinned host memory: nothing to move on "
            "a CPU rank", "_cpu_offloading_context", "cpu_offloading", "cpu_offloading_activations",
            "cpu_offloading_double_buffering", "cpu_offloading_num_layers", "cpu_offloading_retain_pinned_cpu_buffers",
@@ -169,23 +199,46 @@ CANNOT_TEST = {
            "inference_moe_disable_fused_quant_kernels", "inference_moe_token_dispatcher_type"),
 }
 
+# The fields only Megatron's MLATransformerConfig defines (0.19.2; earlier releases a subset).
+MLA_ONLY = ("beta_fast", "beta_slow", "cache_mla_latents", "kv_lora_rank", "mla_down_proj_fusion", "mscale",
+            "mscale_all_dim", "original_max_position_embeddings", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+            "rope_type", "rotary_base", "rotary_percent", "rotary_scaling_factor", "v_head_dim")
+
 CANNOT_TEST_IN = {
     ("multi_copy", "enable_autocast"): "Megatron's own local TransformerBlock fails under CPU autocast (bf16 over "
                                        "fp32 weights: 'expected m1 and m2 to have the same dtype'): no CPU reference; "
                                        "the copies run Megatron's linears, the linears' own row is tested",
     ("sequence_copies", "enable_autocast"): "as for multi_copy: Megatron's local block has no CPU autocast run",
+    **{("context_parallel", name): "defined only by MLATransformerConfig, whose multi_latent_attention the CP wing "
+                                   "refuses: no CP run reads it" for name in MLA_ONLY},
+    **{("context_parallel", name): "the CP case's 2 ranks are both taken by CP 2 (TP 2 x CP 2 needs 4): run by hand "
+                                   "on 4 ranks in tests/context_parallel/test_cp_gpt.py::test_tp2_cp2_sequence_parallel_gqa"
+       for name in ("tensor_model_parallel_size", "sequence_parallel")},
+    **{(wing, "context_parallel_size"): "the dense and MoE cases' 2 ranks are taken by TP 2 (and EP 2): CP 2 needs "
+                                        "ranks of its own" for wing in ("linears", "multi_copy", "sequence_copies",
+                                                                        "moe")},
+    ("context_parallel", "hidden_dropout"): "dropout draws its masks over each rank's rows: at CP 2 other masks than "
+                                            "Megatron's at CP 1 on the whole sequence, so no exact reference",
 }
 
 # Rows whose evidence is still to be built (issue 51: the lead's list of what is left), with why.
 NOT_YET_WINGS = {
-    "context_parallel": "no generated context-parallel case yet (its reference is Megatron at CP 1 on the whole "
-                        "sequence: tests/context_parallel/test_cp_gpt.py, not yet driven per field)",
+    "context_parallel": "no CPU value for the context-parallel case yet, or an MoE field (the case's GPT is dense: "
+                        "MoE layers at CP 2 against CP 1 are not built there yet)",
 }
 NOT_YET_FIELDS = {name: "recompute in the generated case: the pool stopped answering (a rank failed inside "
                          "Megatron's checkpoint on the CPU) in this round; tests/multi_copy and tests/moe cover recompute "
                          "by hand" for name in ("distribute_saved_activations", "recompute_granularity", "recompute_method",
                                                 "num_microbatches_with_partial_activation_checkpoints",
                                                 "recompute_modules", "recompute_num_layers", "moe_layer_recompute")}
+NOT_YET_FIELDS.update({name: "multi-token prediction: built only by a GPTModel given an mtp_block_spec; no case "
+                              "builds one yet" for name in ("mtp_num_layers", "mtp_use_repeated_layer",
+                                                            "mtp_loss_scaling_factor", "mtp_detach_heads")})
+NOT_YET_IN = {
+    ("context_parallel", "gradient_accumulation_fusion"): "the CP case's training step (cp_gpt_cases.train) "
+                                                          "allocates no main_grad buffers, which the fused "
+                                                          "accumulation adds into",
+}
 NOT_YET = "no CPU value chosen for the generated case yet (read inside the block's modules, so not citable)"
 
 
@@ -198,9 +251,14 @@ def case_of(wing: str, name: str) -> str | None:
     if name not in CPU_VALUES:
         return None
     cases = CASES.get(wing, ())
+    moe_field = name.startswith("moe_") or name == "num_moe_experts" or name in EXPERT_SIZES
+    if cases == ("cp",):
+        return None if moe_field or (wing, name) in CANNOT_TEST_IN or (wing, name) in NOT_YET_IN else "cp"
+    if name in WITH_ROPE:
+        return None
     if name in IN_LINEAR_PAIR:
         return "pair" if "pair" in CASES.get(wing, ()) else None
-    moe_field = name.startswith("moe_") or name == "num_moe_experts" or name in IN_MOE_LAYERS
+    moe_field = moe_field or name in IN_MOE_LAYERS
     if "moe" in cases and (moe_field or cases == ("moe",)):
         return "moe"
     return "dense" if "dense" in cases and not moe_field else None
@@ -246,6 +304,8 @@ def of(wing: str, name: str) -> tuple | None:
         return "cannot test here", CANNOT_TEST_IN[(wing, name)]
     if name in CANNOT_TEST:
         return "cannot test here", CANNOT_TEST[name]
+    if (wing, name) in NOT_YET_IN:
+        return "not yet", NOT_YET_IN[(wing, name)]
     if name in NOT_YET_FIELDS:
         return "not yet", NOT_YET_FIELDS[name]
     if wing in NOT_YET_WINGS:

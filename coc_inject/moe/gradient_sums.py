@@ -39,6 +39,7 @@ class GradientSums:
         self._held = [None] * len(params)  # first share as given, then an accumulator of ours, then the result
         self._owned = [False] * len(params)  # _held[i] is our accumulator (added into in place)
         self._placeholder = [False] * len(params)
+        self._none = [False] * len(params)  # reached, and every piece gave None (see results)
 
     def add(self, piece: int, grads: list) -> None:
         """Piece ``piece``'s gradients of the parameters ``reaches[piece]``, in that order (None: not used);
@@ -47,6 +48,9 @@ class GradientSums:
             grad, grads[position] = grads[position], None
             if grad is not None:
                 self._add(index, grad)
+            elif self._held[index] is None and not self._placeholder[index] and hasattr(self.params[index],
+                                                                                         "main_grad"):
+                self._none[index] = True  # Megatron's fused accumulation returned None: the share is in main_grad
             grad = None
             if self._last[index] == piece and self._held[index] is not None:
                 self._held[index] = self._held[index].to(self.params[index].dtype)  # rounded once
@@ -72,13 +76,16 @@ class GradientSums:
     def results(self) -> list:
         """One gradient per parameter for autograd (each reaches its AccumulateGrad once)."""
         results = []
-        for param, held, placeholder in zip(self.params, self._held, self._placeholder):
+        for param, held, placeholder, none in zip(self.params, self._held, self._placeholder, self._none):
             if held is not None:
                 results.append(held)
             elif placeholder:
                 results.append(torch.zeros((), dtype=param.dtype, device=param.device).expand_as(param))
+            elif none:  # as Megatron's linear returns it: gradient_accumulation_fusion with main_grad but not
+                # Megatron's DDP (no grad_added_to_main_grad): the gradient is in main_grad, .grad stays None
+                results.append(None)
             else:  # no piece reached it (an expert without rows anywhere): zeros, as from Megatron's experts,
                 # which run every local expert, rows or none: its DDP hook fires as Megatron's would
                 results.append(torch.zeros_like(param))
-        self._held = [None] * len(self.params)
+        self._held, self._none = [None] * len(self.params), [False] * len(self.params)
         return results

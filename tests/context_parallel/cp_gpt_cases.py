@@ -142,10 +142,11 @@ def _skew_trials(name, seconds):
 
 
 def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_twice=False, skew=None,
-          after_setup=None, autocast=False, **model_kwargs):
+          after_setup=None, autocast=False, keep_grads=False, **model_kwargs):
     """Losses per step and this rank's parameters after ``steps`` SGD steps. ``autocast``: forward and
     backward inside CPU torch.autocast in bf16 (Megatron's enable_autocast; its linears' custom_bwd runs
     their backward under the forward's autocast on CUDA, the CPU backward needs the context around it).
+    ``keep_grads``: the last step's gradients (summed as above) come back too.
 
     SGD, not Adam: Adam turns the rounding noise of a gradient that is zero in exact arithmetic
     (the key part of the QKV bias: softmax ignores a shift shared by all keys) into full-size
@@ -192,12 +193,13 @@ def train(tp, cp, coc=None, steps=3, b=2, seq=64, vocab=128, mask="full", call_t
             dist.all_reduce(total, group=cp_group)
         losses.append(total.item())
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if keep_grads and p.grad is not None}
     plans = [m._coc_cp for m in model.modules() if getattr(m, "_coc_cp", None)]
     algorithms = sorted({plan.describe() for plan in plans})
     kernels = sorted({choice.name for plan in plans for choice in plan.kernels.values()})
     decisions = [{"key": key.text(), "choice": d.choice, "source": d.source, "times_ms": d.times_ms}
                  for key, d in auto.decisions().items()]
-    return {"losses": losses, "params": params, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+    return {"losses": losses, "params": params, "grads": grads, "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
             "algorithms": algorithms, "kernels": kernels, "decisions": decisions,
             "cp_ranks": list(parallel_state.get_context_parallel_global_ranks())}
 

@@ -45,13 +45,12 @@ def _schedule_context(config):
     return contextlib.nullcontext()
 
 
-def _block(field: str, moe: bool, micro_batch: int):
+@contextlib.contextmanager
+def _config_with(field: str):
+    """Megatron's TransformerConfig, while open, built with ``field`` at its CPU value (a subclass only for the
+    constructor: the builders construct it by name)."""
     from megatron.core.transformer import transformer_config
 
-    from coc_inject.testbed import models
-    from coc_inject.testbed.cpu import cpu_recompute_rng
-
-    cpu_recompute_rng()  # Megatron's checkpoint forks the CUDA RNG: the CPU's for a recompute field
     settings = _settings(field)
     after = {name: settings.pop(name) for name in list(settings) if name in evidence.SET_AFTER_INIT}
     original = transformer_config.TransformerConfig
@@ -63,21 +62,33 @@ def _block(field: str, moe: bool, micro_batch: int):
                 setattr(self, name, value)
 
     WithField.__name__ = WithField.__qualname__ = "TransformerConfig"
-    world = dist.get_world_size()
-    sizes = types.SimpleNamespace(layers=2, batch=2, seq=8 * world, heads=2 * world, hidden=8 * world,
-                                  ffn=16 * world, moe=moe)
     transformer_config.TransformerConfig = WithField
     try:
-        block, hidden, mask = models.build_block(sizes, micro_batch=micro_batch)
-        return block, hidden.to(block.config.params_dtype), mask  # as the embedding hands it over
+        yield
     finally:
         transformer_config.TransformerConfig = original
 
 
+def _block(field: str, moe: bool, micro_batch: int):
+    from coc_inject.testbed import models
+    from coc_inject.testbed.cpu import cpu_recompute_rng
+
+    cpu_recompute_rng()  # Megatron's checkpoint forks the CUDA RNG: the CPU's for a recompute field
+    world = dist.get_world_size()
+    sizes = types.SimpleNamespace(layers=2, batch=2, seq=8 * world, heads=2 * world, hidden=8 * world,
+                                  ffn=16 * world, moe=moe)
+    with _config_with(field):
+        block, hidden, mask = models.build_block(sizes, micro_batch=micro_batch)
+    return block, hidden.to(block.config.params_dtype), mask  # as the embedding hands it over
+
+
 def _step(block, hidden, mask) -> dict:
     torch.manual_seed(7)  # dropout draws the same masks in every run
+    fused = getattr(block.config, "gradient_accumulation_fusion", False)
     for param in block.parameters():
         param.grad = None
+        if fused:  # Megatron's DDP's buffer: the fused kernel adds the weight gradient into it
+            param.main_grad = torch.zeros(param.shape, dtype=torch.float32)
     x = hidden.clone().requires_grad_(True)
     with _schedule_context(block.config):
         out = block(x, mask)
@@ -88,6 +99,8 @@ def _step(block, hidden, mask) -> dict:
     out.float().backward(torch.randn(out.shape, generator=seed) / out.numel())
     _tp_replicated_grads_summed(block)
     grads = {name: p.grad.detach().float().clone() for name, p in block.named_parameters() if p.grad is not None}
+    if fused:  # a weight's gradient is in main_grad (its .grad a placeholder)
+        grads.update({f"{name}.main_grad": p.main_grad.clone() for name, p in block.named_parameters()})
     return {"out": out.detach().float().clone(), "dx": x.grad.detach().float().clone(), **grads}
 
 
@@ -161,7 +174,22 @@ def _guarded(function, *args) -> dict:
         return {"error": traceback.format_exc(limit=6)}
 
 
+def _hardware_fakes(field: str):
+    """gradient_accumulation_fusion: apex's fused_weight_gradient_mlp_cuda, as tests/fakes/fused_wgrad.py
+    stands in for it on the CPU (it checks the kernel's call contract)."""
+    if field != "gradient_accumulation_fusion":
+        return contextlib.nullcontext()
+    from tests.fakes import fused_wgrad
+
+    return fused_wgrad.installed()
+
+
 def _dense_field(field: str) -> dict:
+    with _hardware_fakes(field):
+        return _dense_field_run(field)
+
+
+def _dense_field_run(field: str) -> dict:
     """linears (chunks 2), batch copies (2) and sequence copies (2, micro-batch 1) on a dense block."""
     results = {}
     try:
@@ -199,6 +227,11 @@ def dense_fields(fields: list) -> dict:
 
 
 def _moe_field(field: str) -> dict:
+    with _hardware_fakes(field):
+        return _moe_field_run(field)
+
+
+def _moe_field_run(field: str) -> dict:
     """The MoE pieces, the linears (chunks 2) and batch copies (2) on a block of MoE layers (EP 2, TP 2)."""
     try:
         block, hidden, mask = _block(field, moe=True, micro_batch=2)
@@ -283,3 +316,66 @@ def pair_fields(fields: list) -> dict:
 
     reinitialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
     return {field: _pair_field(field) for field in fields}
+
+
+# Rotary embeddings: no learned position table (an fp32 nn.Embedding Megatron-LM's Float16Module casts on a GPU,
+# which a bf16 field would meet), and the rope fields are read.
+CP_GPT = {"layers": 1, "hidden": 32, "heads": 4, "seq": 32, "vocab": 64, "rope": True}
+_ATTENTION_BACKEND_FLAGS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+def _cp_train(field: str, cp: int, coc) -> dict:
+    """One SGD step of tests/context_parallel's tiny GPT (local spec, TP 1) with ``field`` at its CPU value,
+    at CP ``cp``; enable_autocast: the step inside CPU autocast, as Megatron's schedule runs it."""
+    from tests.context_parallel import cp_gpt_cases
+
+    import os
+
+    sizes = {name: value for name, value in CP_GPT.items() if name not in ("seq", "vocab")}
+    for flag in _ATTENTION_BACKEND_FLAGS:  # set by the last model's attention_backend: each run is a new job
+        os.environ.pop(flag, None)
+    with _config_with(field):
+        return cp_gpt_cases.train(1, cp, coc, steps=1, seq=CP_GPT["seq"], vocab=CP_GPT["vocab"],
+                                  autocast=field == "enable_autocast", keep_grads=True, **sizes)
+
+
+CP_ALGORITHMS = ("ring", "allgather")  # the two schedules with a path for every field of the case (GQA included)
+
+
+def _cp_field(field: str, reference: dict) -> dict:
+    found, worst, where = [], 0.0, []
+    for algorithm in CP_ALGORITHMS:
+        try:
+            on = _cp_train(field, 2, {"cp_algo": algorithm})
+        except Exception as error:  # noqa: BLE001 (a refusal at CP 2 is an error naming the setting: no Megatron path)
+            if type(error).__name__ == "ContextParallelError":
+                return {"context_parallel": {"refused": str(error)}}
+            return {"context_parallel": {"error": f"{algorithm}: {traceback.format_exc(limit=6)}"}}
+        if "megatron" in reference:
+            return reference
+        found.extend(on["algorithms"] or [f"no CP plan with {algorithm}: Megatron's attention ran"])
+        loss = abs(on["losses"][0] - reference["losses"][0]) / (abs(reference["losses"][0]) or 1.0)
+        grads = {name: grad.float() for name, grad in on["grads"].items()}
+        expected = {name: grad.float() for name, grad in reference["grads"].items()}
+        worst = max(worst, loss, _distance(grads, expected, where))
+    return {"context_parallel": {"distance": worst, "where": where[:4], "ran": ", ".join(found)}}
+
+
+def cp_fields(fields: list) -> dict:
+    """Context parallelism (COC_CP_ALGO=ring, then allgather, CP 2) against Megatron at CP 1 on the whole sequence, per field:
+    the loss and each parameter's gradient of one step, summed over CP as Megatron's DDP does (TP 1: both ranks
+    hold the whole model)."""
+    from coc_inject.context_parallel import install
+    from tests.context_parallel import cp_gpt_cases
+
+    cp_gpt_cases._parallel_state_key = None  # another case's setup initialised the parallel state
+    references = {}
+    for field in fields:  # Megatron at CP 1 first: one parallel state for all of them
+        try:
+            references[field] = _cp_train(field, 1, None)
+        except Exception:  # noqa: BLE001
+            references[field] = {"megatron": traceback.format_exc(limit=6)}
+    try:
+        return {field: _cp_field(field, references[field]) for field in fields}
+    finally:
+        install.uninstall()
