@@ -314,7 +314,20 @@ def test_any_other_replacement_of_the_block_forward_steps_aside_naming_it(pool):
         assert g["taken_over"]["TransformerBlock.forward"]["ours_still_runs"] is False, g["taken_over"]
 
 
-def test_an_unread_block_recompute_with_the_batch_aux_loss_steps_aside_naming_it(pool):
+@pytest.fixture
+def own_pool():
+    """Four ranks of its own: after this MoE GPT under MindSpeed's recompute stand-ins, the module pool's next
+    block call (test_a_torch_whose_autograd_fails...) met a causal mask of another length when
+    test_copies_run_under_mindspeeds_block_forward_as_off had run before both: state of the stand-ins left in
+    the workers, not yet found (noted on issue 51)."""
+    from tests.dist_harness import RankPool
+
+    pool = RankPool(4)
+    yield pool
+    pool.close()
+
+
+def test_an_unread_block_recompute_with_the_batch_aux_loss_steps_aside_naming_it(own_pool):
     """Issue 51: MindSpeed's --recompute-method block puts its own _checkpointed_forward on the block
     (tests/fakes/mindspeed_patches.block_recompute: mindspeed.core.memory.common's, restated from Megatron's). Its
     chunks are not recomputed as copies, so an MoE block with the batch aux_loss under full recompute would form
@@ -330,8 +343,8 @@ def test_an_unread_block_recompute_with_the_batch_aux_loss_steps_aside_naming_it
         "mindspeed.te.pytorch.module.checkpoint"
     model = dict(routing="aux_loss", steps=1, layers=1, recompute_granularity="full", recompute_method="uniform",
                  recompute_num_layers=1)
-    want = pool.run(case, copies=1, mindspeed_recompute=unread, **model)
-    got = {module: pool.run(case, copies=2, mindspeed_recompute=module, **model) for module in (unread, read)}
+    want = own_pool.run(case, copies=1, mindspeed_recompute=unread, **model)
+    got = {module: own_pool.run(case, copies=2, mindspeed_recompute=module, **model) for module in (unread, read)}
     losses_apart = hasattr(TopKRouter, "_apply_aux_loss")  # megatron-core 0.16+
     for g in got[unread]:
         (copies, reason), = g["blocks"]
@@ -343,7 +356,7 @@ def test_an_unread_block_recompute_with_the_batch_aux_loss_steps_aside_naming_it
     for g in got[read]:
         assert g["blocks"] == [(2, None) if losses_apart else (1, got[unread][0]["blocks"][0][1])], g["blocks"]
     # no meeting to hold (the expert bias sums the copies' counts): the copies run under it as before
-    assert all(g["blocks"] == [(2, None)] for g in pool.run(case, copies=2, mindspeed_recompute=unread,
+    assert all(g["blocks"] == [(2, None)] for g in own_pool.run(case, copies=2, mindspeed_recompute=unread,
                                                             **dict(model, routing="expert_bias")))
     for module, results in got.items():
         for g, w in zip(results, want):
