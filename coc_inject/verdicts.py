@@ -49,6 +49,7 @@ def _counting(setattr_):
         setattr_(self, name, value)
 
     __setattr__.coc_counts_sets = True
+    __setattr__.__wrapped__ = setattr_  # what the class's objects set through (allowlist.subclasses reads it)
     return __setattr__
 
 

@@ -78,14 +78,32 @@ def read_by_megatron(name: str, megatron: dict) -> bool:
     return name in megatron or name in READ_UNDECLARED
 
 
+def _defined(cls, name: str) -> tuple:
+    """``(the class of cls's MRO that defines name, its value)``, or ``(None, None)``; looking through
+    coc-inject's own counting ``__setattr__`` (coc_inject.verdicts.watch) to what it wraps: a class whose own
+    ``__setattr__`` it replaced still defines that one, and a class it was put on only inherits."""
+    mro = cls.__mro__
+    for index, owner in enumerate(mro):
+        value = vars(owner).get(name)
+        if value is None:
+            continue
+        while getattr(value, "coc_counts_sets", False):
+            value = value.__wrapped__
+            inherited = next((vars(c)[name] for c in mro[index + 1:] if name in vars(c)), None)
+            if value is inherited:
+                break
+        else:
+            return owner, value
+    return None, None
+
+
 def overridden(cls, megatron: dict) -> str | None:
     """What a subclass overrides that Megatron's layers call or read (module docstring), named; or None."""
     found = []
     for name in (*LAYER_CALLED, *megatron):
-        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        owner, value = _defined(cls, name)
         if owner is None or owner is object or _is_megatrons(owner):
             continue
-        value = vars(owner)[name]
         if name in LAYER_CALLED:
             found.append(f"{owner.__name__}.{name}()")
         elif hasattr(type(value), "__get__") and name not in inspect.get_annotations(owner):

@@ -103,3 +103,28 @@ def test_every_name_megatrons_sources_read_off_a_config_without_declaring_it_is_
     assert {n: p for n, p in read.items() if n not in subclasses.READ_UNDECLARED} == {}
     for name in subclasses.READ_UNDECLARED:
         assert all(check.classification(wing, name) is not None for wing in WINGS), name
+
+
+def test_coc_injects_own_set_counter_is_not_taken_for_a_subclass_override():
+    """verdicts.watch puts a counting __setattr__ on a config class a verdict read: that is coc-inject's own,
+    not the class overriding what Megatron's layers call (before, every wing compiled after it refused the
+    class: 'TransformerConfig overrides ... (TransformerConfig.__setattr__())'); a subclass's own
+    __setattr__ is still named through the counter that wraps it."""
+    import types
+
+    from coc_inject import verdicts
+
+    own = dataclasses.make_dataclass("OwnSetattrProvider", [], bases=(bridge_like.GPTProviderLike,),
+                                     namespace={"__setattr__": lambda self, name, value: object.__setattr__(
+                                         self, name, value)})
+    installation = types.SimpleNamespace(undo=[])
+    plain = dataclasses.make_dataclass("WatchedProvider", [], bases=(bridge_like.GPTProviderLike,))
+    try:
+        assert verdicts.watch(installation, plain) and verdicts.watch(installation, own)
+        for wing in WINGS:
+            assert check.refusal(provider(plain), wing, **CONTEXT) is None, wing
+            reason = check.refusal(provider(own), wing, **CONTEXT)
+            assert reason is not None and "OwnSetattrProvider.__setattr__()" in reason, reason
+    finally:
+        for undo in reversed(installation.undo):
+            undo()
