@@ -117,31 +117,13 @@ def _wrapper_alone(module, arguments, calls: int) -> tuple:
 
 
 def _install(settings: dict) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.transformer import dot_product_attention, transformer_block
-    from megatron.core.transformer.moe import moe_layer
-
-    from coc_inject import job
     from coc_inject.config import CocConfig
-    from coc_inject.context_parallel import install as cp_install
-    from coc_inject.linears import install as linears
-    from coc_inject.moe import install as moe
-    from coc_inject.multi_copy import install as copies
     from coc_inject.settings.parsers import AUTO
+    from coc_inject.testbed.models import install_every_wing
 
-    job.uninstall()
     config = CocConfig(**{key: AUTO if key in ("parallel_num", "multi_copy") else value
                           for key, value in settings.items()})
-    if config.cp_algorithm:
-        cp_install.install(config, dot_product_attention, parallel_state)
-    if config.enabled:
-        linears.install(config)
-    if config.moe_armed:
-        moe.install(config, moe_layer)
-    if config.multi_copy_armed:
-        copies.install(config, transformer_block)
-    installation = job.installation(config)
-    installation.armed_coverage()  # the calls are counted, as in a job
+    install_every_wing(config).armed_coverage()  # the calls are counted, as in a job
 
 
 def main(argv=None) -> int:

@@ -158,6 +158,31 @@ def copies_ran(block) -> str:
     return f"{route.copies} copies, {route.split} split{through}" if route.copies > 1 else f"no copies: {route.reason}"
 
 
+def install_every_wing(config):
+    """Every wing ``config`` arms, into one fresh installation on the imported Megatron modules (as the import
+    hooks do; context parallelism first: its install() starts the installation afresh); that installation."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import dot_product_attention, transformer_block
+    from megatron.core.transformer.moe import moe_layer
+
+    from coc_inject import job
+    from coc_inject.context_parallel import install as cp_install
+    from coc_inject.linears import install as linears
+    from coc_inject.moe import install as moe
+    from coc_inject.multi_copy import install as copies
+
+    job.uninstall()
+    if config.cp_algorithm:
+        cp_install.install(config, dot_product_attention, parallel_state)
+    if config.enabled:
+        linears.install(config)
+    if config.moe_armed:
+        moe.install(config, moe_layer)
+    if config.multi_copy_armed:
+        copies.install(config, transformer_block)
+    return job.installation(config)
+
+
 @contextmanager
 def block_variant(block, config, compute_only: bool = False, ran: dict | None = None):
     """``config``'s CoC linears, MoE pieces and multi-copy installed on Megatron's modules (every collective a

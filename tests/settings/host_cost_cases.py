@@ -16,27 +16,10 @@ EVERY_WING_AUTO = {"parallel_num": AUTO, "multi_copy": AUTO, "moe_overlap": "aut
 
 def install_every_wing(coc: dict) -> None:
     """Every wing ``coc`` arms, into one installation (as the import hooks do)."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer import dot_product_attention, transformer_block
-    from megatron.core.transformer.moe import moe_layer
-
-    from coc_inject import job
     from coc_inject.config import CocConfig
-    from coc_inject.context_parallel import install as cp_install
-    from coc_inject.linears import install as linears
-    from coc_inject.moe import install as moe
-    from coc_inject.multi_copy import install as copies
+    from coc_inject.testbed.models import install_every_wing as install
 
-    job.uninstall()
-    config = CocConfig(**coc)
-    if config.cp_algorithm:  # first: its install() starts the installation afresh
-        cp_install.install(config, dot_product_attention, parallel_state)
-    if config.enabled:
-        linears.install(config)
-    if config.moe_armed:
-        moe.install(config, moe_layer)
-    if config.multi_copy_armed:
-        copies.install(config, transformer_block)
+    install(CocConfig(**coc))
 
 
 def verdict_attributes(module) -> list:
